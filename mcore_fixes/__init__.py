@@ -1,0 +1,3 @@
+"""mcore-fixes: an upstreamable patch series for NVIDIA Megatron-Core, and the tool that applies it."""
+
+__version__ = "0.1.0"

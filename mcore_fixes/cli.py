@@ -1,0 +1,280 @@
+"""Command line: `python -m mcore_fixes {vendor,apply,status,export,prove,test,info}`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from . import checkout, git, report, sources
+from . import manifest as manifest_mod
+from .errors import CheckFailed, UserError
+from .manifest import Baseline, Manifest
+from .progress import Progress
+from .prove import attach_proofs, prove_baseline, pytest_command
+from .series import SKIPPED, Cell, apply_series, read_patch, test_files
+from .vendor import INFO_NAME, export, vendor, vendored_baseline
+
+CLONE_ROOT = Path(__file__).resolve().parent.parent
+# Megatron-LM's formatter settings (its pyproject.toml and pre-commit config).
+UPSTREAM_BLACK = ["black", "--check", "--diff", "-q", "-l", "100", "-S", "-C"]
+UPSTREAM_ISORT = ["isort", "--check-only", "--diff", "--profile", "black", "-l", "100", "-p", "megatron"]
+
+
+def _manifest(args: argparse.Namespace) -> Manifest:
+    return manifest_mod.load(args.root / "patches" / "manifest.toml")
+
+
+def _trees(args: argparse.Namespace) -> Path:
+    return args.root / "build" / "trees"
+
+
+def _selected(m: Manifest, names: list[str] | None) -> list[Baseline]:
+    return [m.baseline(n) for n in names] if names else list(m.baselines.values())
+
+
+def _pristine(args: argparse.Namespace, b: Baseline, progress: Progress) -> Path:
+    return sources.pristine_tree(b, _trees(args), sources.mcore_repo_from(args.mcore_repo), progress)
+
+
+def cmd_vendor(args: argparse.Namespace) -> int:
+    m = _manifest(args)
+    b = m.baseline(args.baseline or m.default)
+    progress = Progress()
+    tree = _pristine(args, b, progress)
+    record = vendor(args.root, m, b, tree, args.force, progress)
+    print(f"vendored megatron-core {b.name} into {args.root / 'megatron'}")
+    for entry in record["applied"]:
+        print(f"  applied   {entry['id']} (fix {entry['fix']})")
+    for entry in record["not_applied"]:
+        print(f"  {entry['state']:<9} {entry['id']} (fix {entry['fix']}): {entry['reason']}")
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    m = _manifest(args)
+    top = checkout.toplevel(Path(args.checkout).resolve())
+    if args.baseline:
+        b, why = m.baseline(args.baseline), "chosen with --baseline"
+    else:
+        b, why = checkout.detect_baseline(m, top)
+    print(f"{top}: baseline {b.name} ({why})")
+    results = checkout.apply(m, top, b, commit=not args.no_commit)
+    for patch_id, what in results:
+        print(f"  {patch_id}: {what}")
+    if all(what == "already applied" or what.startswith("absent") for _, what in results):
+        print("nothing to do: the series is already applied")
+    return 0
+
+
+def _status_cells(args: argparse.Namespace, m: Manifest, progress: Progress) -> list[Cell]:
+    mcore_repo = sources.mcore_repo_from(args.mcore_repo)
+    cells: list[Cell] = []
+    for b in _selected(m, args.baseline):
+        reason = ""
+        if b.is_git and mcore_repo is None:
+            reason = "no Megatron-LM checkout (pass --mcore-repo PATH or set MCORE_REPO)"
+        else:
+            try:
+                tree = sources.pristine_tree(b, _trees(args), mcore_repo, progress)
+            except UserError as exc:
+                reason = str(exc)
+        if reason:
+            cells += [Cell(p.id, b.name, SKIPPED, detail=reason) for p in m.patches]
+            continue
+        progress.step(f"checking the series on {b.name}")
+        row = apply_series(tree, m, b)
+        attach_proofs(args.root, m, b, row)
+        cells += row
+    return cells
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    m = _manifest(args)
+    cells = _status_cells(args, m, Progress())
+    if args.json:
+        print(report.as_json(m, cells))
+    elif args.markdown:
+        print(report.markdown(m, cells))
+    else:
+        print(report.table(m, cells))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    m = _manifest(args)
+    b = m.baseline(vendored_baseline(args.root))
+    tree = _pristine(args, b, Progress())
+    for path, what in export(args.root, m, b, tree, args.into):
+        print(f"  {what:<9} patches/{path}")
+    return 0
+
+
+def cmd_prove(args: argparse.Namespace) -> int:
+    m = _manifest(args)
+    progress = Progress()
+    for patch_id in args.patch or []:
+        m.patch(patch_id)
+    mcore_repo = sources.mcore_repo_from(args.mcore_repo)
+    cells: list[Cell] = []
+    for b in _selected(m, args.baseline):
+        if b.is_git and mcore_repo is None:
+            reason = f"baseline {b.name} skipped: no Megatron-LM checkout (--mcore-repo / MCORE_REPO)"
+            print(reason, file=sys.stderr)
+            cells += [Cell(p.id, b.name, SKIPPED, detail=reason) for p in m.patches]
+            continue
+        tree = sources.pristine_tree(b, _trees(args), mcore_repo, progress)
+        cells += prove_baseline(args.root, m, b, tree, args.python, args.patch, progress)
+    print(report.markdown(m, cells) if args.markdown else report.table(m, cells))
+    bad = [c for c in cells if c.proof and c.proof.get("verdict") != "proven"]
+    return 1 if bad else 0
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    m = _manifest(args)
+    b = m.baseline(args.baseline or m.default)
+    mcore_repo = sources.mcore_repo_from(args.mcore_repo)
+    if b.is_git and mcore_repo is None:
+        print(f"baseline {b.name} skipped: no Megatron-LM checkout (--mcore-repo / MCORE_REPO)")
+        return 0
+    progress = Progress()
+    tree = sources.pristine_tree(b, _trees(args), mcore_repo, progress)
+    cells = apply_series(tree, m, b)
+    bad = [c for c in cells if c.state not in ("applies", "applied-upstream", "absent")]
+    if bad:
+        raise CheckFailed(f"the series does not apply to {b.name}: {bad[0].patch}: {bad[0].detail}")
+    files = [t for c in cells if c.state == "applies" for t in test_files(read_patch(m.root / c.file))]
+    cmd = pytest_command(sys.executable, files + args.pytest_args)
+    progress.step(f"running {len(files)} test file(s) on the patched {b.name} tree")
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run(cmd, cwd=tree, env=env).returncode
+
+
+def cmd_lint_patches(args: argparse.Namespace) -> int:
+    """Check the files the series touches with upstream's formatters (black, isort on PATH)."""
+    m = _manifest(args)
+    mcore_repo = sources.mcore_repo_from(args.mcore_repo)
+    progress = Progress()
+    failed = 0
+    for b in _selected(m, args.baseline):
+        if b.is_git and mcore_repo is None:
+            continue
+        tree = sources.pristine_tree(b, _trees(args), mcore_repo, progress)
+        cells = apply_series(tree, m, b)
+        touched = {
+            t
+            for c in cells
+            if c.state == "applies"
+            for t in git.touched_paths(read_patch(m.root / c.file))
+            if t.endswith(".py") and (tree / t).exists()
+        }
+        files = sorted(touched)
+        core = [f for f in files if f.startswith("megatron/core/")]
+        checks = [[*UPSTREAM_BLACK, *files]] + ([[*UPSTREAM_ISORT, *core]] if core else [])
+        for cmd in checks:
+            proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+            if proc.returncode != 0:
+                failed += 1
+                print(f"{b.name}: {cmd[0]} would change:\n{proc.stdout}{proc.stderr}")
+        print(f"{b.name}: {len(files)} patched file(s) checked")
+    return 1 if failed else 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("megatron.core is not importable here (install the fork, or vendor)")
+    where = Path(list(spec.submodule_search_locations)[0])
+    info_path = where / INFO_NAME
+    if not info_path.exists():
+        print(f"megatron.core at {where} is not an mcore-fixes build (no {INFO_NAME})")
+        return 1
+    info = json.loads(info_path.read_text())
+    try:
+        dist = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        dist = "not installed (vendored tree)"
+    if args.json:
+        print(json.dumps(info | {"location": str(where), "distribution": dist}, indent=2))
+        return 0
+    print(f"megatron.core at {where}")
+    print(f"distribution megatron-core {dist}")
+    print(f"base: {info['baseline']} ({info['source']}, pin {info['pin']})")
+    for entry in info["applied"]:
+        print(f"  applied   fix {entry['fix']}: {entry['id']} ({entry['file']})")
+    for entry in info["not_applied"]:
+        print(f"  {entry['state']:<9} fix {entry['fix']}: {entry['id']}: {entry['reason']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mcore_fixes", description=__doc__)
+    parser.add_argument("--root", type=Path, default=CLONE_ROOT, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="verb", required=True)
+
+    def with_repo(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--mcore-repo", help="Megatron-LM git checkout for git baselines "
+                       "(default: $MCORE_REPO); read only, never modified")
+
+    p = sub.add_parser("vendor", help="materialize a baseline, apply the series -> ./megatron")
+    p.add_argument("--baseline", help="baseline name (default: the manifest's default)")
+    p.add_argument("--force", action="store_true", help="discard local edits of ./megatron")
+    with_repo(p)
+    p.set_defaults(func=cmd_vendor)
+
+    p = sub.add_parser("apply", help="apply the series to a Megatron-LM checkout")
+    p.add_argument("checkout", help="path of the checkout (a clone or a linked worktree)")
+    p.add_argument("--baseline", help="override baseline detection")
+    p.add_argument("--no-commit", action="store_true", help="leave changes in the work tree")
+    p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("status", help="patch x baseline matrix")
+    p.add_argument("--baseline", action="append", help="limit to these baselines (repeatable)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--markdown", action="store_true")
+    with_repo(p)
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("export", help="regenerate patch files from edits of ./megatron")
+    p.add_argument("--into", help="patch id that receives edits to files no patch touches")
+    p.add_argument("--mcore-repo", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("prove", help="fail-before / pass-after of each patch's tests")
+    p.add_argument("--baseline", action="append", help="limit to these baselines (repeatable)")
+    p.add_argument("--patch", action="append", help="limit to these patch ids (repeatable)")
+    p.add_argument("--python", default=sys.executable, help="interpreter with torch + pytest")
+    p.add_argument("--markdown", action="store_true")
+    with_repo(p)
+    p.set_defaults(func=cmd_prove)
+
+    p = sub.add_parser("test", help="run the series' regression tests on a patched baseline")
+    p.add_argument("--baseline", help="baseline name (default: the manifest's default)")
+    p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    with_repo(p)
+    p.set_defaults(func=cmd_test)
+
+    p = sub.add_parser("lint-patches", help="upstream black/isort on the files the series touches")
+    p.add_argument("--baseline", action="append", help="limit to these baselines (repeatable)")
+    with_repo(p)
+    p.set_defaults(func=cmd_lint_patches)
+
+    p = sub.add_parser("info", help="what the importable megatron.core fork contains")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"mcore_fixes: error: {exc}", file=sys.stderr)
+        return exc.exit_code

@@ -1,0 +1,72 @@
+"""Thin wrappers over the git command line; git does the heavy lifting."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from .errors import UserError
+
+# Deterministic identity for commits the tool makes in its own work trees.
+TOOL_IDENTITY = {
+    "GIT_AUTHOR_NAME": "mcore-fixes",
+    "GIT_AUTHOR_EMAIL": "mcore-fixes@users.noreply.github.com",
+    "GIT_COMMITTER_NAME": "mcore-fixes",
+    "GIT_COMMITTER_EMAIL": "mcore-fixes@users.noreply.github.com",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+00:00",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+00:00",
+}
+
+# `git format-patch` options of the series: reproducible byte for byte.
+FORMAT_PATCH_ARGS = ("--zero-commit", "--no-signature", "-N", "--abbrev=12", "--stdout")
+
+
+def git_exe() -> str:
+    exe = shutil.which("git")
+    if exe is None:
+        raise UserError("git is not installed or not on PATH; mcore_fixes needs git >= 2.25")
+    return exe
+
+
+def run(
+    repo: Path,
+    *args: str,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    input: bytes | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run `git -C repo args...`; raise UserError with git's own message on failure."""
+    full_env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", **(env or {})}
+    proc = subprocess.run(
+        [git_exe(), "-C", str(repo), *args],
+        capture_output=True,
+        env=full_env,
+        input=input.decode() if input is not None else None,
+        text=True,
+    )
+    if check and proc.returncode != 0:
+        msg = (proc.stderr or proc.stdout).strip()
+        raise UserError(f"git {' '.join(args[:2])} failed in {repo}: {msg}")
+    return proc
+
+
+def out(repo: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    return run(repo, *args, env=env).stdout.strip()
+
+
+def ok(repo: Path, *args: str, env: dict[str, str] | None = None) -> bool:
+    return run(repo, *args, check=False, env=env).returncode == 0
+
+
+def touched_paths(patch_text: str) -> list[str]:
+    """Paths a patch touches (both sides of renames), from its `diff --git` headers."""
+    paths: list[str] = []
+    for line in patch_text.splitlines():
+        if line.startswith("diff --git a/"):
+            a, _, b = line[len("diff --git a/") :].partition(" b/")
+            for p in (a, b):
+                if p not in paths:
+                    paths.append(p)
+    return paths

@@ -1,0 +1,131 @@
+"""The series manifest (`patches/manifest.toml`): baselines, pins, and which patch file applies."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UserError
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass(frozen=True)
+class Patch:
+    id: str
+    file: str
+    fix: int
+    requires: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str
+    source: str  # "pypi" or "git"
+    version: str
+    sha256: str = ""  # pypi
+    ref: str = ""  # git
+    commit: str = ""  # git
+    variants: dict[str, str] = field(default_factory=dict)
+    absent: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_git(self) -> bool:
+        return self.source == "git"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: Path  # the patches/ directory
+    canonical: str
+    default: str
+    patches: tuple[Patch, ...]
+    baselines: dict[str, Baseline]
+
+    def baseline(self, name: str) -> Baseline:
+        try:
+            return self.baselines[name]
+        except KeyError:
+            known = ", ".join(self.baselines)
+            raise UserError(f"unknown baseline {name!r}; known baselines: {known}") from None
+
+    def patch(self, patch_id: str) -> Patch:
+        for p in self.patches:
+            if p.id == patch_id:
+                return p
+        known = ", ".join(p.id for p in self.patches)
+        raise UserError(f"unknown patch {patch_id!r}; known patches: {known}")
+
+    def patch_file(self, baseline: Baseline, patch: Patch) -> Path | None:
+        """The file that applies `patch` to `baseline`, or None where the fix is absent."""
+        if patch.id in baseline.absent:
+            return None
+        return self.root / baseline.variants.get(patch.id, patch.file)
+
+
+def load(path: Path) -> Manifest:
+    """Parse and validate a manifest; every problem is a UserError naming the entry."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"manifest not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: invalid TOML: {exc}") from None
+
+    patches: list[Patch] = []
+    for entry in data.get("patch", []):
+        try:
+            patch = Patch(
+                id=entry["id"],
+                file=entry["file"],
+                fix=int(entry["fix"]),
+                requires=tuple(entry.get("requires", ())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{path}: [[patch]] entry {entry!r} is incomplete ({exc})") from None
+        seen = {p.id for p in patches}
+        missing = [r for r in patch.requires if r not in seen]
+        if missing:
+            raise UserError(f"{path}: patch {patch.id} requires {missing}, not earlier in series")
+        if patch.id in seen:
+            raise UserError(f"{path}: duplicate patch id {patch.id}")
+        patches.append(patch)
+
+    ids = {p.id for p in patches}
+    baselines: dict[str, Baseline] = {}
+    for name, entry in data.get("baselines", {}).items():
+        source = entry.get("source")
+        b = Baseline(
+            name=name,
+            source=source,
+            version=str(entry.get("version", "")),
+            sha256=entry.get("sha256", ""),
+            ref=entry.get("ref", ""),
+            commit=entry.get("commit", ""),
+            variants=dict(entry.get("variants", {})),
+            absent=dict(entry.get("absent", {})),
+        )
+        if source == "pypi" and not SHA256_RE.match(b.sha256):
+            raise UserError(f"{path}: baseline {name}: pypi source needs a sha256 pin")
+        if source == "git" and not COMMIT_RE.match(b.commit):
+            raise UserError(f"{path}: baseline {name}: git source needs a full 40-hex commit")
+        if source not in ("pypi", "git"):
+            raise UserError(f"{path}: baseline {name}: source must be 'pypi' or 'git'")
+        unknown = (set(b.variants) | set(b.absent)) - ids
+        if unknown:
+            raise UserError(f"{path}: baseline {name} names unknown patches {sorted(unknown)}")
+        baselines[name] = b
+
+    manifest = Manifest(
+        root=path.parent,
+        canonical=data.get("canonical", ""),
+        default=data.get("default", ""),
+        patches=tuple(patches),
+        baselines=baselines,
+    )
+    for key in ("canonical", "default"):
+        manifest.baseline(getattr(manifest, key))
+    return manifest

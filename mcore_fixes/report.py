@@ -1,0 +1,89 @@
+"""The patch x baseline matrix as a terminal table, JSON or Markdown."""
+
+from __future__ import annotations
+
+import json
+
+from .manifest import Manifest
+from .series import Cell
+
+_PROOF_MARK = {
+    "proven": "proven",
+    "passes-unpatched": "TEST PASSES UNPATCHED",
+    "fails-patched": "TEST FAILS PATCHED",
+    "no-test": "no test",
+    "no-proof": "unproven",
+}
+
+
+def cell_text(cell: Cell) -> str:
+    verdict = cell.proof.get("verdict")
+    if verdict:
+        return f"{cell.state}, {_PROOF_MARK.get(verdict, verdict)}"
+    return cell.state
+
+
+def _grid(manifest: Manifest, cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
+    by_key = {(c.baseline, c.patch): c for c in cells}
+    baselines = [b for b in manifest.baselines if any(c.baseline == b for c in cells)]
+    header = ["baseline"] + [f"{p.id} (fix {p.fix})" for p in manifest.patches]
+    rows = [
+        [b] + [cell_text(by_key[(b, p.id)]) if (b, p.id) in by_key else "" for p in manifest.patches]
+        for b in baselines
+    ]
+    return header, rows
+
+
+def _notes(cells: list[Cell]) -> list[str]:
+    notes: list[str] = []
+    for c in cells:
+        if c.detail and c.state not in ("applies",):
+            notes.append(f"{c.baseline} / {c.patch}: {c.state}: {c.detail}")
+        if c.proof.get("before"):
+            b, a = c.proof["before"], c.proof["after"]
+            notes.append(
+                f"{c.baseline} / {c.patch}: unpatched {b['outcome']} ({b['summary']}); "
+                f"patched {a['outcome']} ({a['summary']})"
+            )
+    skipped = {c.detail for c in cells if c.state == "skipped"}
+    if len(skipped) == 1:  # one reason (no checkout) for many cells: say it once
+        notes = [n for n in notes if ": skipped: " not in n] + [f"skipped: {skipped.pop()}"]
+    return notes
+
+
+def table(manifest: Manifest, cells: list[Cell]) -> str:
+    header, rows = _grid(manifest, cells)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in rows]
+    notes = _notes(cells)
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines)
+
+
+def markdown(manifest: Manifest, cells: list[Cell]) -> str:
+    header, rows = _grid(manifest, cells)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    notes = _notes(cells)
+    if notes:
+        lines += ["", *(f"- {n}" for n in notes)]
+    return "\n".join(lines)
+
+
+def as_json(manifest: Manifest, cells: list[Cell]) -> str:
+    data = {
+        "baselines": [
+            {"name": b.name, "source": b.source, "version": b.version,
+             "pin": b.sha256 if b.source == "pypi" else b.commit}
+            for b in manifest.baselines.values()
+        ],
+        "patches": [
+            {"id": p.id, "fix": p.fix, "file": p.file, "requires": list(p.requires)}
+            for p in manifest.patches
+        ],
+        "cells": [c.as_json() for c in cells],
+    }
+    return json.dumps(data, indent=2)

@@ -1,0 +1,147 @@
+"""Applying the series to a baseline's tree repository, one commit per patch, with a state per cell."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import git
+from .errors import UserError
+from .manifest import Baseline, Manifest, Patch
+
+ALLOWED_ROOTS = ("megatron/", "tests/")
+
+# Cell states.
+APPLIES = "applies"
+UPSTREAM = "applied-upstream"
+ABSENT = "absent"
+CONFLICT = "conflict"
+SKIPPED = "skipped"
+MISSING = "missing"  # the manifest names a patch file that does not exist (yet)
+OK_STATES = (APPLIES, UPSTREAM)
+
+
+@dataclass
+class Cell:
+    patch: str
+    baseline: str
+    state: str
+    file: str = ""  # patch file, relative to patches/
+    detail: str = ""
+    commit: str = ""  # commit of the patch in the tree repository (state "applies")
+    proof: dict = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        data = {k: v for k, v in vars(self).items() if k != "commit" and v not in ("", {})}
+        return data
+
+
+def read_patch(path: Path) -> str:
+    """Read a patch file and check its shape; UserError for corrupt or out-of-scope patches."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"patch file not found: {path}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a text patch") from None
+    paths = git.touched_paths(text)
+    if not paths:
+        raise UserError(f"{path}: corrupt patch: no `diff --git` section found")
+    outside = [p for p in paths if not p.startswith(ALLOWED_ROOTS)]
+    if outside:
+        raise UserError(f"{path}: patch touches paths outside megatron/ and tests/: {outside}")
+    if not text.startswith("From ") or "\nSubject: " not in text:
+        raise UserError(f"{path}: not a `git format-patch` file (no From/Subject header)")
+    stat = git.run(path.parent, "apply", "--numstat", "-", check=False, input=text.encode())
+    if stat.returncode != 0:
+        raise UserError(f"{path}: corrupt patch: {stat.stderr.strip()}")
+    return text
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def conflict_detail(stderr: str) -> str:
+    """`path:line` of the first failing hunk, or git's first error line."""
+    m = re.search(r"patch failed: (\S+)", stderr)
+    if m:
+        return f"does not apply at {m.group(1)}"
+    m = re.search(r"error: (\S+): (does not exist in index|No such file or directory)", stderr)
+    if m:
+        return f"target file missing: {m.group(1)}"
+    first = stderr.strip().splitlines()[:1]
+    return first[0] if first else "does not apply"
+
+
+def reset_to_pristine(tree: Path) -> None:
+    if (tree / ".git" / "rebase-apply").exists():
+        git.run(tree, "am", "--abort", check=False)
+    git.run(tree, "reset", "-q", "--hard", "pristine")
+    git.run(tree, "clean", "-q", "-fdx")
+
+
+def apply_series(
+    tree: Path, manifest: Manifest, b: Baseline, only: list[str] | None = None
+) -> list[Cell]:
+    """Reset `tree` to pristine and `git am` the series in order; return one cell per patch.
+
+    A patch that reverse-applies is `applied-upstream` and is not applied again; a patch whose
+    required patch did not apply is a conflict. `only` limits application to those patch ids
+    (and what they require); the other cells are still reported as `skipped`.
+    """
+    reset_to_pristine(tree)
+    wanted = _closure(manifest, only) if only else None
+    cells: list[Cell] = []
+    good: set[str] = set()
+    for p in manifest.patches:
+        cell = Cell(patch=p.id, baseline=b.name, state=CONFLICT)
+        cells.append(cell)
+        path = manifest.patch_file(b, p)
+        if path is None:
+            cell.state, cell.detail = ABSENT, b.absent[p.id]
+            continue
+        cell.file = str(path.relative_to(manifest.root))
+        if wanted is not None and p.id not in wanted:
+            cell.state, cell.detail = SKIPPED, "not selected"
+            continue
+        if not path.exists():
+            cell.state, cell.detail = MISSING, "patch file not written yet"
+            continue
+        missing = [r for r in p.requires if r not in good]
+        if missing:
+            cell.detail = f"requires {', '.join(missing)}, which did not apply"
+            continue
+        read_patch(path)
+        if git.ok(tree, "apply", "-R", "--check", str(path)):
+            cell.state, cell.detail = UPSTREAM, "reverse-applies: already in this baseline"
+            good.add(p.id)
+            continue
+        check = git.run(tree, "apply", "--check", str(path), check=False)
+        if check.returncode != 0:
+            cell.detail = conflict_detail(check.stderr)
+            continue
+        git.run(tree, "am", "-q", "--keep-cr", str(path), env=git.TOOL_IDENTITY)
+        cell.state = APPLIES
+        cell.commit = git.out(tree, "rev-parse", "HEAD")
+        good.add(p.id)
+    return cells
+
+
+def _closure(manifest: Manifest, only: list[str]) -> set[str]:
+    wanted: set[str] = set()
+    for patch_id in only:
+        stack = [manifest.patch(patch_id)]
+        while stack:
+            p: Patch = stack.pop()
+            if p.id not in wanted:
+                wanted.add(p.id)
+                stack.extend(manifest.patch(r) for r in p.requires)
+    return wanted
+
+
+def test_files(patch_text: str) -> list[str]:
+    """The regression-test files a patch carries (paths under tests/)."""
+    return [p for p in git.touched_paths(patch_text) if p.startswith("tests/")]

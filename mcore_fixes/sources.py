@@ -1,0 +1,195 @@
+"""Pristine baseline trees: a pinned PyPI sdist or a pinned commit of a Megatron-LM checkout.
+
+Each pristine tree is a small git repository (`build/trees/<baseline>`) whose first commit,
+tagged `pristine`, holds the baseline's `megatron/core` (plus `tests/unit_tests` and
+`pyproject.toml` where the source has them). Patched states are commits on top of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from . import git
+from .errors import UserError
+from .manifest import Baseline
+from .progress import Progress
+
+PIN_FILE = "mcore-fixes-pin"  # inside the tree's .git directory
+GIT_PATHS = ("megatron/core", "tests/unit_tests", "pyproject.toml")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MCORE_FIXES_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mcore-fixes"
+
+
+def mcore_repo_from(option: str | None) -> Path | None:
+    """The Megatron-LM checkout given by --mcore-repo or MCORE_REPO, validated; None if unset."""
+    value = option or os.environ.get("MCORE_REPO")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise UserError(f"Megatron-LM checkout {path} does not exist (--mcore-repo / MCORE_REPO)")
+    if not git.ok(path, "rev-parse", "--git-dir"):
+        raise UserError(f"{path} is not a git repository (--mcore-repo / MCORE_REPO)")
+    return path
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sdist_name(b: Baseline) -> str:
+    return f"megatron_core-{b.version}.tar.gz"
+
+
+def fetch_sdist(b: Baseline, progress: Progress) -> Path:
+    """The verified sdist of a PyPI baseline, from the cache or downloaded with pip."""
+    cache = cache_dir()
+    target = cache / sdist_name(b)
+    if target.exists():
+        if sha256_of(target) == b.sha256:
+            return target
+        target.unlink()  # a corrupt cache entry is replaced, never trusted
+    cache.mkdir(parents=True, exist_ok=True)
+    progress.step(f"downloading megatron-core=={b.version} sdist with pip")
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        cmd = [*pip_command(), "download", "--no-deps", "--no-binary", ":all:", "-q"]
+        proc = subprocess.run(
+            [*cmd, "-d", tmp, f"megatron-core=={b.version}"], capture_output=True, text=True
+        )
+        got = Path(tmp) / sdist_name(b)
+        if proc.returncode != 0 or not got.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise UserError(
+                f"could not download megatron-core=={b.version} from the package index "
+                f"(is it reachable?): {' / '.join(tail)}. Offline, place {sdist_name(b)} "
+                f"(sha256 {b.sha256}) in the cache {cache} (or set MCORE_FIXES_CACHE)."
+            )
+        actual = sha256_of(got)
+        if actual != b.sha256:
+            raise UserError(
+                f"sha256 mismatch for {sdist_name(b)}: expected {b.sha256}, got {actual}; "
+                "the download was discarded"
+            )
+        os.replace(got, target)
+    return target
+
+
+def pip_command() -> list[str]:
+    """pip of this interpreter, else the one on PATH (inside an isolated build env)."""
+    probe = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True)
+    if probe.returncode == 0:
+        return [sys.executable, "-m", "pip"]
+    exe = shutil.which("pip") or shutil.which("pip3")
+    if exe is None:
+        raise UserError("pip is needed to download a PyPI baseline but was not found")
+    return [exe]
+
+
+def safe_extract(archive: tarfile.TarFile, dest: Path, strip: int, keep: tuple[str, ...]) -> int:
+    """Extract members under the `keep` prefixes, after stripping `strip` leading components.
+
+    Refuses (UserError, nothing extracted) absolute paths, `..` components, links pointing out
+    of the tree and special files, before writing anything.
+    """
+    selected: list[tarfile.TarInfo] = []
+    for member in archive.getmembers():
+        path = PurePosixPath(member.name)
+        if path.is_absolute() or ".." in path.parts:
+            raise UserError(f"unsafe archive entry {member.name!r}: escapes the target directory")
+        if member.issym() or member.islnk():
+            link = PurePosixPath(member.linkname)
+            base = path.parent if member.issym() else PurePosixPath()
+            if link.is_absolute() or ".." in (base / link).parts:
+                raise UserError(f"unsafe archive entry {member.name!r}: link out of the tree")
+        elif not (member.isfile() or member.isdir()):
+            raise UserError(f"unsafe archive entry {member.name!r}: not a file or directory")
+        parts = path.parts[strip:]
+        if not parts:
+            continue
+        rel = "/".join(parts)
+        if not any(rel == k or rel.startswith(k + "/") for k in keep):
+            continue
+        member.name = rel
+        if member.islnk():
+            member.linkname = "/".join(PurePosixPath(member.linkname).parts[strip:])
+        selected.append(member)
+    archive.extractall(dest, members=selected, filter="data")
+    return len(selected)
+
+
+def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Progress) -> str:
+    """Write the baseline's files into `dest`; return the pin that identifies them."""
+    if b.source == "pypi":
+        sdist = fetch_sdist(b, progress)
+        progress.step(f"extracting {sdist.name}")
+        with tarfile.open(sdist, "r:gz") as tar:
+            safe_extract(tar, dest, strip=1, keep=("megatron/core", "pyproject.toml"))
+        return b.sha256
+    if mcore_repo is None:
+        raise UserError(
+            f"baseline {b.name} comes from a Megatron-LM git checkout: pass --mcore-repo PATH "
+            "or set MCORE_REPO"
+        )
+    if not git.ok(mcore_repo, "cat-file", "-e", f"{b.commit}^{{commit}}"):
+        raise UserError(
+            f"commit {b.commit} ({b.ref}) is not in {mcore_repo}; run `git fetch --tags` there"
+        )
+    progress.step(f"reading {b.ref} ({b.commit[:10]}) from {mcore_repo}")
+    present = [
+        p for p in GIT_PATHS if git.ok(mcore_repo, "cat-file", "-e", f"{b.commit}:{p}")
+    ]
+    proc = subprocess.run(
+        [git.git_exe(), "-C", str(mcore_repo), "archive", "--format=tar", b.commit, *present],
+        capture_output=True,
+    )
+    if proc.returncode != 0:
+        raise UserError(f"git archive failed in {mcore_repo}: {proc.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
+        safe_extract(tar, dest, strip=0, keep=GIT_PATHS)
+    return b.commit
+
+
+def pristine_tree(
+    b: Baseline, trees: Path, mcore_repo: Path | None, progress: Progress
+) -> Path:
+    """The baseline's pristine tree repository, built once and reused while its pin matches."""
+    tree = trees / b.name
+    pin = b.sha256 if b.source == "pypi" else b.commit
+    pin_file = tree / ".git" / PIN_FILE
+    if pin_file.exists() and pin_file.read_text().strip() == pin:
+        return tree
+    trees.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{b.name}.", dir=trees))
+    try:
+        _materialize(b, tmp, mcore_repo, progress)
+        git.run(tmp, "init", "-q")
+        git.run(tmp, "add", "-A")
+        env = git.TOOL_IDENTITY
+        git.run(tmp, "commit", "-q", "--no-verify", "-m", f"pristine {b.name}", env=env)
+        git.run(tmp, "tag", "pristine")
+        (tmp / ".git" / PIN_FILE).write_text(pin + "\n")
+        if tree.exists():
+            shutil.rmtree(tree)
+        os.replace(tmp, tree)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return tree

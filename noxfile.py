@@ -1,0 +1,90 @@
+"""nox sessions: the series proven on every MCore baseline of patches/manifest.toml.
+
+    nox -l                      the matrix: one `tests` and one `prove` session per baseline
+    nox                         what CI runs (git baselines skip without a Megatron-LM checkout)
+    MCORE_REPO=~/Megatron-LM nox -s "prove(main)"
+
+Environments use uv. torch is always installed first, pinned (MCORE_FIXES_TORCH, default
+torch==2.13.0), from a local CPU wheel folder when PIP_FIND_LINKS / UV_FIND_LINKS names one,
+so no install ever pulls a CUDA build of torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from mcore_fixes import manifest as manifest_mod  # noqa: E402
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = False
+
+MANIFEST = manifest_mod.load(ROOT / "patches" / "manifest.toml")
+BASELINES = list(MANIFEST.baselines)
+TORCH = os.environ.get("MCORE_FIXES_TORCH", "torch==2.13.0")
+# MCore imports these on CPU; 0.18.2+ import triton unguarded (MoE paged stash).
+TEST_DEPS = ("numpy", "packaging", "pytest", "einops")
+UPSTREAM_BLACK = ("black==26.3.0", "isort==5.13.2")
+
+if "PIP_FIND_LINKS" in os.environ:
+    os.environ.setdefault("UV_FIND_LINKS", os.environ["PIP_FIND_LINKS"])
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
+
+
+def _install_torch_env(session: nox.Session, baseline: str) -> None:
+    session.install(TORCH, *TEST_DEPS)
+    b = MANIFEST.baselines[baseline]
+    if b.is_git and tuple(map(int, b.version.split(".")[:2])) >= (0, 18):
+        session.install("triton")
+
+
+def _checkout_or_skip(session: nox.Session, baseline: str) -> None:
+    if MANIFEST.baselines[baseline].is_git and not os.environ.get("MCORE_REPO"):
+        session.skip(
+            f"{baseline} comes from a Megatron-LM git checkout: set MCORE_REPO=/path/to/Megatron-LM"
+        )
+
+
+@nox.session(tags=["ci"])
+def tool(session: nox.Session) -> None:
+    """The tool's own tests: synthetic upstream repo, offline."""
+    session.install("pytest")
+    session.run("python", "-m", "pytest", "-q", "tests/tool", *session.posargs)
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """Our code with ruff; the patched files with upstream's black/isort settings."""
+    session.install("ruff", *UPSTREAM_BLACK)
+    session.run("ruff", "check", "mcore_fixes", "tests/tool", "noxfile.py", "setup.py", "bench")
+    session.run("python", "-m", "mcore_fixes", "lint-patches")
+
+
+@nox.session(tags=["ci"])
+@nox.parametrize("baseline", BASELINES, ids=BASELINES)
+def tests(session: nox.Session, baseline: str) -> None:
+    """The series' regression tests on the fully patched baseline."""
+    _checkout_or_skip(session, baseline)
+    _install_torch_env(session, baseline)
+    session.run("python", "-m", "mcore_fixes", "test", "--baseline", baseline, *session.posargs)
+
+
+@nox.session(tags=["ci"])
+@nox.parametrize("baseline", BASELINES, ids=BASELINES)
+def prove(session: nox.Session, baseline: str) -> None:
+    """Fail-before / pass-after of every patch on this baseline."""
+    _checkout_or_skip(session, baseline)
+    _install_torch_env(session, baseline)
+    session.run("python", "-m", "mcore_fixes", "prove", "--baseline", baseline, *session.posargs)
+
+
+@nox.session(default=False)
+def status(session: nox.Session) -> None:
+    """Print the patch x baseline matrix with the stored proofs (Markdown with -- --markdown)."""
+    session.run("python", "-m", "mcore_fixes", "status", *session.posargs, external=True)

@@ -1,0 +1,70 @@
+"""Build the vendored, patched `megatron/core` as the distribution `megatron-core`.
+
+`pip install .` materializes the manifest's default baseline first if `megatron/` is absent
+(`python -m mcore_fixes vendor`). The version is `<base>+fixes.<n>`, n = patches applied; the
+base's own requirements and extras are kept; the applied / not-applicable patches are recorded
+in `megatron/core/_mcore_fixes.json` and in the package summary (`python -m mcore_fixes info`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_namespace_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+INFO = ROOT / "megatron" / "core" / "_mcore_fixes.json"
+
+
+def vendored_info() -> dict:
+    if not INFO.exists():
+        subprocess.run([sys.executable, "-m", "mcore_fixes", "vendor"], cwd=ROOT, check=True)
+    return json.loads(INFO.read_text())
+
+
+def package_data(top: Path) -> dict[str, list[str]]:
+    """Every non-Python file shipped inside megatron/core (docs, the C++ helper source, ...)."""
+    data: dict[str, list[str]] = {}
+    for path in top.rglob("*"):
+        if path.is_file() and path.suffix not in (".py", ".pyc", ".so") and "__pycache__" not in path.parts:
+            package = ".".join(path.parent.relative_to(ROOT).parts)
+            data.setdefault(package, []).append(path.name)
+    return data
+
+
+def helpers_extension() -> Extension:
+    import pybind11
+
+    return Extension(
+        "megatron.core.datasets.helpers_cpp",
+        sources=["megatron/core/datasets/helpers.cpp"],
+        language="c++",
+        include_dirs=[pybind11.get_include()],
+        extra_compile_args=["-O3", "-Wall", "-std=c++17"],
+    )
+
+
+info = vendored_info()
+base = info["base_metadata"]
+applied = [p["id"] for p in info["applied"]]
+setup(
+    name="megatron-core",
+    version=f"{info['version']}+fixes.{len(applied)}",
+    description=(
+        f"Megatron Core {info['baseline']} with the mcore-fixes series "
+        f"({', '.join(applied) or 'no patch applicable'})"
+    ),
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache 2.0",
+    python_requires=base["requires-python"],
+    install_requires=base["dependencies"],
+    extras_require=base["optional-dependencies"],
+    packages=find_namespace_packages(include=["megatron.core", "megatron.core.*", "mcore_fixes"]),
+    package_data=package_data(ROOT / "megatron" / "core"),
+    ext_modules=[helpers_extension()],
+    zip_safe=False,
+)
