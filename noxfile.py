@@ -20,6 +20,7 @@ import nox
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from mcore_fixes import manifest as manifest_mod  # noqa: E402
+from mcore_fixes import sources  # noqa: E402
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
@@ -45,7 +46,12 @@ def _install_torch_env(session: nox.Session, baseline: str) -> None:
 
 
 def _checkout_or_skip(session: nox.Session, baseline: str) -> None:
-    if MANIFEST.baselines[baseline].is_git and not os.environ.get("MCORE_REPO"):
+    b = MANIFEST.baselines[baseline]
+    if (
+        b.is_git
+        and not os.environ.get("MCORE_REPO")
+        and not sources.cached(b, ROOT / "build/trees")
+    ):
         session.skip(
             f"{baseline} comes from a Megatron-LM git checkout: set MCORE_REPO=/path/to/Megatron-LM"
         )
@@ -62,7 +68,9 @@ def tool(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """Our code with ruff; the patched files with upstream's black/isort settings."""
     session.install("ruff", *UPSTREAM_BLACK)
-    session.run("ruff", "check", "mcore_fixes", "tests/tool", "noxfile.py", "setup.py", "bench")
+    ours = ("mcore_fixes", "tests/tool", "noxfile.py", "setup.py", "bench")
+    session.run("ruff", "check", *ours)
+    session.run("ruff", "format", "--check", *ours)
     session.run("python", "-m", "mcore_fixes", "lint-patches")
 
 

@@ -29,7 +29,11 @@ def package_data(top: Path) -> dict[str, list[str]]:
     """Every non-Python file shipped inside megatron/core (docs, the C++ helper source, ...)."""
     data: dict[str, list[str]] = {}
     for path in top.rglob("*"):
-        if path.is_file() and path.suffix not in (".py", ".pyc", ".so") and "__pycache__" not in path.parts:
+        if (
+            path.is_file()
+            and path.suffix not in (".py", ".pyc", ".so")
+            and "__pycache__" not in path.parts
+        ):
             package = ".".join(path.parent.relative_to(ROOT).parts)
             data.setdefault(package, []).append(path.name)
     return data

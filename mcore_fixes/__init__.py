@@ -1,3 +1,3 @@
-"""mcore-fixes: an upstreamable patch series for NVIDIA Megatron-Core, and the tool that applies it."""
+"""mcore-fixes: an upstreamable patch series for NVIDIA Megatron-Core, and its tool."""
 
 __version__ = "0.1.0"

@@ -25,13 +25,15 @@ def toplevel(path: Path) -> Path:
 
 
 def package_version(checkout: Path) -> str:
-    """MAJOR.MINOR.PATCH[PRE_RELEASE] from megatron/core/package_info.py, read without executing it."""
+    """MAJOR.MINOR.PATCH[PRE_RELEASE] of megatron/core/package_info.py, read, not executed."""
     info = checkout / "megatron" / "core" / "package_info.py"
     if not info.exists():
         raise UserError(f"{checkout} is not a Megatron-LM checkout: {info} not found")
     fields = {k: v.strip("'\"") for k, v in _VERSION_FIELD.findall(info.read_text())}
     try:
-        return f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}{fields.get('PRE_RELEASE', '')}"
+        return (
+            f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}{fields.get('PRE_RELEASE', '')}"
+        )
     except KeyError:
         raise UserError(f"{info}: cannot read MAJOR/MINOR/PATCH") from None
 
@@ -53,9 +55,7 @@ def detect_baseline(manifest: Manifest, checkout: Path) -> tuple[Baseline, str]:
     )
 
 
-def apply(
-    manifest: Manifest, checkout: Path, b: Baseline, commit: bool
-) -> list[tuple[str, str]]:
+def apply(manifest: Manifest, checkout: Path, b: Baseline, commit: bool) -> list[tuple[str, str]]:
     """Apply every patch of `b` not yet present; return (patch id, what happened) per patch.
 
     Everything is checked before anything is written: a dirty touched file, staged changes

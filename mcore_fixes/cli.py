@@ -23,7 +23,17 @@ from .vendor import INFO_NAME, export, vendor, vendored_baseline
 CLONE_ROOT = Path(__file__).resolve().parent.parent
 # Megatron-LM's formatter settings (its pyproject.toml and pre-commit config).
 UPSTREAM_BLACK = ["black", "--check", "--diff", "-q", "-l", "100", "-S", "-C"]
-UPSTREAM_ISORT = ["isort", "--check-only", "--diff", "--profile", "black", "-l", "100", "-p", "megatron"]
+UPSTREAM_ISORT = [
+    "isort",
+    "--check-only",
+    "--diff",
+    "--profile",
+    "black",
+    "-l",
+    "100",
+    "-p",
+    "megatron",
+]
 
 
 def _manifest(args: argparse.Namespace) -> Manifest:
@@ -39,7 +49,23 @@ def _selected(m: Manifest, names: list[str] | None) -> list[Baseline]:
 
 
 def _pristine(args: argparse.Namespace, b: Baseline, progress: Progress) -> Path:
-    return sources.pristine_tree(b, _trees(args), sources.mcore_repo_from(args.mcore_repo), progress)
+    return sources.pristine_tree(
+        b, _trees(args), sources.mcore_repo_from(args.mcore_repo), progress
+    )
+
+
+NO_CHECKOUT = "no Megatron-LM checkout (pass --mcore-repo PATH or set MCORE_REPO)"
+
+
+def _tree_or_skip(args: argparse.Namespace, b: Baseline, progress: Progress) -> Path | str:
+    """The pristine tree of `b`, or why it cannot be had (a git baseline without a checkout).
+
+    A git baseline already materialized under build/trees (pinned commit) needs no checkout.
+    """
+    mcore_repo = sources.mcore_repo_from(args.mcore_repo)
+    if b.is_git and mcore_repo is None and not sources.cached(b, _trees(args)):
+        return NO_CHECKOUT
+    return sources.pristine_tree(b, _trees(args), mcore_repo, progress)
 
 
 def cmd_vendor(args: argparse.Namespace) -> int:
@@ -73,19 +99,15 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def _status_cells(args: argparse.Namespace, m: Manifest, progress: Progress) -> list[Cell]:
-    mcore_repo = sources.mcore_repo_from(args.mcore_repo)
+    sources.mcore_repo_from(args.mcore_repo)  # a bad --mcore-repo is an error, not a skip
     cells: list[Cell] = []
     for b in _selected(m, args.baseline):
-        reason = ""
-        if b.is_git and mcore_repo is None:
-            reason = "no Megatron-LM checkout (pass --mcore-repo PATH or set MCORE_REPO)"
-        else:
-            try:
-                tree = sources.pristine_tree(b, _trees(args), mcore_repo, progress)
-            except UserError as exc:
-                reason = str(exc)
-        if reason:
-            cells += [Cell(p.id, b.name, SKIPPED, detail=reason) for p in m.patches]
+        try:
+            tree = _tree_or_skip(args, b, progress)
+        except UserError as exc:  # e.g. the package index is unreachable: say so in the cell
+            tree = str(exc)
+        if isinstance(tree, str):
+            cells += [Cell(p.id, b.name, SKIPPED, detail=tree) for p in m.patches]
             continue
         progress.step(f"checking the series on {b.name}")
         row = apply_series(tree, m, b)
@@ -120,15 +142,13 @@ def cmd_prove(args: argparse.Namespace) -> int:
     progress = Progress()
     for patch_id in args.patch or []:
         m.patch(patch_id)
-    mcore_repo = sources.mcore_repo_from(args.mcore_repo)
     cells: list[Cell] = []
     for b in _selected(m, args.baseline):
-        if b.is_git and mcore_repo is None:
-            reason = f"baseline {b.name} skipped: no Megatron-LM checkout (--mcore-repo / MCORE_REPO)"
-            print(reason, file=sys.stderr)
-            cells += [Cell(p.id, b.name, SKIPPED, detail=reason) for p in m.patches]
+        tree = _tree_or_skip(args, b, progress)
+        if isinstance(tree, str):
+            print(f"baseline {b.name} skipped: {tree}", file=sys.stderr)
+            cells += [Cell(p.id, b.name, SKIPPED, detail=tree) for p in m.patches]
             continue
-        tree = sources.pristine_tree(b, _trees(args), mcore_repo, progress)
         cells += prove_baseline(args.root, m, b, tree, args.python, args.patch, progress)
     print(report.markdown(m, cells) if args.markdown else report.table(m, cells))
     bad = [c for c in cells if c.proof and c.proof.get("verdict") != "proven"]
@@ -138,17 +158,18 @@ def cmd_prove(args: argparse.Namespace) -> int:
 def cmd_test(args: argparse.Namespace) -> int:
     m = _manifest(args)
     b = m.baseline(args.baseline or m.default)
-    mcore_repo = sources.mcore_repo_from(args.mcore_repo)
-    if b.is_git and mcore_repo is None:
-        print(f"baseline {b.name} skipped: no Megatron-LM checkout (--mcore-repo / MCORE_REPO)")
-        return 0
     progress = Progress()
-    tree = sources.pristine_tree(b, _trees(args), mcore_repo, progress)
+    tree = _tree_or_skip(args, b, progress)
+    if isinstance(tree, str):
+        print(f"baseline {b.name} skipped: {tree}")
+        return 0
     cells = apply_series(tree, m, b)
     bad = [c for c in cells if c.state not in ("applies", "applied-upstream", "absent")]
     if bad:
         raise CheckFailed(f"the series does not apply to {b.name}: {bad[0].patch}: {bad[0].detail}")
-    files = [t for c in cells if c.state == "applies" for t in test_files(read_patch(m.root / c.file))]
+    files = [
+        t for c in cells if c.state == "applies" for t in test_files(read_patch(m.root / c.file))
+    ]
     cmd = pytest_command(sys.executable, files + args.pytest_args)
     progress.step(f"running {len(files)} test file(s) on the patched {b.name} tree")
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -158,13 +179,13 @@ def cmd_test(args: argparse.Namespace) -> int:
 def cmd_lint_patches(args: argparse.Namespace) -> int:
     """Check the files the series touches with upstream's formatters (black, isort on PATH)."""
     m = _manifest(args)
-    mcore_repo = sources.mcore_repo_from(args.mcore_repo)
     progress = Progress()
     failed = 0
     for b in _selected(m, args.baseline):
-        if b.is_git and mcore_repo is None:
+        tree = _tree_or_skip(args, b, progress)
+        if isinstance(tree, str):
+            print(f"{b.name}: skipped: {tree}")
             continue
-        tree = sources.pristine_tree(b, _trees(args), mcore_repo, progress)
         cells = apply_series(tree, m, b)
         touched = {
             t
@@ -186,7 +207,10 @@ def cmd_lint_patches(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    spec = importlib.util.find_spec("megatron.core")
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except ModuleNotFoundError:  # no `megatron` package at all
+        spec = None
     if spec is None or not spec.submodule_search_locations:
         raise UserError("megatron.core is not importable here (install the fork, or vendor)")
     where = Path(list(spec.submodule_search_locations)[0])
@@ -218,8 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True)
 
     def with_repo(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--mcore-repo", help="Megatron-LM git checkout for git baselines "
-                       "(default: $MCORE_REPO); read only, never modified")
+        p.add_argument(
+            "--mcore-repo",
+            help="Megatron-LM git checkout for git baselines "
+            "(default: $MCORE_REPO); read only, never modified",
+        )
 
     p = sub.add_parser("vendor", help="materialize a baseline, apply the series -> ./megatron")
     p.add_argument("--baseline", help="baseline name (default: the manifest's default)")
@@ -274,7 +301,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        if args.verb != "info":
+            git.git_exe()  # every other verb needs git: say so before doing anything
+        if args.verb in ("apply", "info"):
+            return args.func(args)
+        with sources.trees_lock(_trees(args), Progress()):
+            return args.func(args)
     except UserError as exc:
         print(f"mcore_fixes: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # e.g. `status | head`
+        sys.stderr.close()
+        return 0

@@ -19,6 +19,12 @@ TOOL_IDENTITY = {
     "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+00:00",
 }
 
+# The tool's own tree repositories (build/trees/*, marked by this file in their .git) run git
+# without the user's global and system config: commit.gpgSign, core.autocrlf, diff.noprefix,
+# format.signOff, hooks, ... must not change what the tool writes or make it fail.
+TOOL_TREE_MARKER = "mcore-fixes-pin"
+NEUTRAL_CONFIG = {"GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+
 # `git format-patch` options of the series: reproducible byte for byte.
 FORMAT_PATCH_ARGS = ("--zero-commit", "--no-signature", "-N", "--abbrev=12", "--stdout")
 
@@ -38,7 +44,8 @@ def run(
     input: bytes | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run `git -C repo args...`; raise UserError with git's own message on failure."""
-    full_env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", **(env or {})}
+    neutral = NEUTRAL_CONFIG if (Path(repo) / ".git" / TOOL_TREE_MARKER).exists() else {}
+    full_env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", **neutral, **(env or {})}
     proc = subprocess.run(
         [git_exe(), "-C", str(repo), *args],
         capture_output=True,

@@ -66,6 +66,19 @@ class Manifest:
         return self.root / baseline.variants.get(patch.id, patch.file)
 
 
+def _str_list(value: object) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"expected a list of strings, got {value!r}")
+    return value
+
+
+def _rel_file(value: object) -> str:
+    """A patch file name relative to patches/, never leaving it."""
+    if not isinstance(value, str) or not value or value.startswith("/") or ".." in value.split("/"):
+        raise ValueError(f"patch file {value!r} must be a relative path inside patches/")
+    return value
+
+
 def load(path: Path) -> Manifest:
     """Parse and validate a manifest; every problem is a UserError naming the entry."""
     try:
@@ -75,14 +88,19 @@ def load(path: Path) -> Manifest:
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path}: invalid TOML: {exc}") from None
 
+    entries, tables = data.get("patch", []), data.get("baselines", {})
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise UserError(f"{path}: `patch` must be an array of tables ([[patch]] entries)")
+    if not isinstance(tables, dict) or not all(isinstance(e, dict) for e in tables.values()):
+        raise UserError(f"{path}: `baselines` must hold one table per baseline")
     patches: list[Patch] = []
-    for entry in data.get("patch", []):
+    for entry in entries:
         try:
             patch = Patch(
                 id=entry["id"],
-                file=entry["file"],
+                file=_rel_file(entry["file"]),
                 fix=int(entry["fix"]),
-                requires=tuple(entry.get("requires", ())),
+                requires=tuple(_str_list(entry.get("requires", []))),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path}: [[patch]] entry {entry!r} is incomplete ({exc})") from None
@@ -96,18 +114,21 @@ def load(path: Path) -> Manifest:
 
     ids = {p.id for p in patches}
     baselines: dict[str, Baseline] = {}
-    for name, entry in data.get("baselines", {}).items():
+    for name, entry in tables.items():
         source = entry.get("source")
-        b = Baseline(
-            name=name,
-            source=source,
-            version=str(entry.get("version", "")),
-            sha256=entry.get("sha256", ""),
-            ref=entry.get("ref", ""),
-            commit=entry.get("commit", ""),
-            variants=dict(entry.get("variants", {})),
-            absent=dict(entry.get("absent", {})),
-        )
+        try:
+            b = Baseline(
+                name=name,
+                source=source,
+                version=str(entry["version"]),
+                sha256=str(entry.get("sha256", "")),
+                ref=str(entry.get("ref", "")),
+                commit=str(entry.get("commit", "")),
+                variants={k: _rel_file(v) for k, v in dict(entry.get("variants", {})).items()},
+                absent={k: str(v) for k, v in dict(entry.get("absent", {})).items()},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(f"{path}: baseline {name} is incomplete or malformed ({exc})") from None
         if source == "pypi" and not SHA256_RE.match(b.sha256):
             raise UserError(f"{path}: baseline {name}: pypi source needs a sha256 pin")
         if source == "git" and not COMMIT_RE.match(b.commit):

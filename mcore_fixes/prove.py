@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 from . import git
+from .errors import UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
 from .series import APPLIES, Cell, apply_series, file_sha256, read_patch, test_files
@@ -19,7 +21,33 @@ _SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?|skipped|deselected)\b|no te
 
 def pytest_command(python: str, files: list[str]) -> list[str]:
     # --noconftest: upstream's conftest needs Python 3.12 and data helpers (DESIGN.md).
-    return [python, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", "-q", *files]
+    # -o addopts=: the baseline's pyproject.toml adds -x (0.16.1) and -s; we want every result.
+    return [
+        python,
+        "-m",
+        "pytest",
+        "--noconftest",
+        "-o",
+        "addopts=",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        *files,
+    ]
+
+
+@functools.cache
+def check_python(python: str) -> None:
+    """UserError unless `python -m pytest` runs: a missing pytest must not read as a failure."""
+    try:
+        proc = subprocess.run(
+            [python, "-m", "pytest", "--version"], capture_output=True, text=True, timeout=300
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UserError(f"--python {python}: cannot run it ({exc})") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise UserError(f"--python {python}: `-m pytest` does not run there ({last})")
 
 
 def run_tests(tree: Path, files: list[str], python: str) -> dict:
@@ -27,7 +55,11 @@ def run_tests(tree: Path, files: list[str], python: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
     try:
         proc = subprocess.run(
-            pytest_command(python, files), cwd=tree, env=env, capture_output=True, text=True,
+            pytest_command(python, files),
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=900,
         )
     except subprocess.TimeoutExpired:
@@ -54,10 +86,16 @@ def _checkout(tree: Path, rev: str) -> None:
 
 
 def prove_baseline(
-    root: Path, manifest: Manifest, b: Baseline, tree: Path, python: str,
-    only: list[str] | None, progress: Progress,
+    root: Path,
+    manifest: Manifest,
+    b: Baseline,
+    tree: Path,
+    python: str,
+    only: list[str] | None,
+    progress: Progress,
 ) -> list[Cell]:
     """Prove every applicable patch of `b` (or those in `only`); results go to build/proofs/."""
+    check_python(python)
     cells = apply_series(tree, manifest, b)
     head = git.out(tree, "rev-parse", "HEAD")
     store = load_proofs(root, b.name)

@@ -28,7 +28,8 @@ def _grid(manifest: Manifest, cells: list[Cell]) -> tuple[list[str], list[list[s
     baselines = [b for b in manifest.baselines if any(c.baseline == b for c in cells)]
     header = ["baseline"] + [f"{p.id} (fix {p.fix})" for p in manifest.patches]
     rows = [
-        [b] + [cell_text(by_key[(b, p.id)]) if (b, p.id) in by_key else "" for p in manifest.patches]
+        [b]
+        + [cell_text(by_key[(b, p.id)]) if (b, p.id) in by_key else "" for p in manifest.patches]
         for b in baselines
     ]
     return header, rows
@@ -76,8 +77,12 @@ def markdown(manifest: Manifest, cells: list[Cell]) -> str:
 def as_json(manifest: Manifest, cells: list[Cell]) -> str:
     data = {
         "baselines": [
-            {"name": b.name, "source": b.source, "version": b.version,
-             "pin": b.sha256 if b.source == "pypi" else b.commit}
+            {
+                "name": b.name,
+                "source": b.source,
+                "version": b.version,
+                "pin": b.sha256 if b.source == "pypi" else b.commit,
+            }
             for b in manifest.baselines.values()
         ],
         "patches": [

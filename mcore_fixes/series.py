@@ -1,9 +1,10 @@
-"""Applying the series to a baseline's tree repository, one commit per patch, with a state per cell."""
+"""Applying the series to a baseline tree repository: one commit per patch, a state per cell."""
 
 from __future__ import annotations
 
 import hashlib
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,15 +50,31 @@ def read_patch(path: Path) -> str:
     paths = git.touched_paths(text)
     if not paths:
         raise UserError(f"{path}: corrupt patch: no `diff --git` section found")
-    outside = [p for p in paths if not p.startswith(ALLOWED_ROOTS)]
+    # git's own reading of the patch: parse errors, and every path it would touch (also those
+    # of plain `---`/`+++` sections and quoted names, which `diff --git a/` parsing misses).
+    # Run outside any repository: inside one, git apply ignores paths outside the cwd.
+    with tempfile.TemporaryDirectory() as neutral:
+        env = {**git.NEUTRAL_CONFIG, "GIT_CEILING_DIRECTORIES": str(Path(neutral).parent)}
+        args = ("apply", "--numstat", "-z", "-")
+        stat = git.run(Path(neutral), *args, check=False, env=env, input=text.encode())
+    if stat.returncode != 0:
+        first = (stat.stderr.strip().splitlines() or ["git apply failed"])[0]
+        raise UserError(f"{path}: corrupt patch: {first}")
+    for entry in stat.stdout.split("\0"):
+        name = entry.split("\t")[-1]
+        if name and name not in paths:
+            paths.append(name)
+    outside = [p for p in paths if not _in_scope(p)]
     if outside:
         raise UserError(f"{path}: patch touches paths outside megatron/ and tests/: {outside}")
     if not text.startswith("From ") or "\nSubject: " not in text:
         raise UserError(f"{path}: not a `git format-patch` file (no From/Subject header)")
-    stat = git.run(path.parent, "apply", "--numstat", "-", check=False, input=text.encode())
-    if stat.returncode != 0:
-        raise UserError(f"{path}: corrupt patch: {stat.stderr.strip()}")
     return text
+
+
+def _in_scope(rel: str) -> bool:
+    parts = rel.split("/")
+    return rel.startswith(ALLOWED_ROOTS) and not {"", ".", ".."} & set(parts)
 
 
 def file_sha256(path: Path) -> str:
@@ -79,6 +96,8 @@ def conflict_detail(stderr: str) -> str:
 def reset_to_pristine(tree: Path) -> None:
     if (tree / ".git" / "rebase-apply").exists():
         git.run(tree, "am", "--abort", check=False)
+    if (tree / ".git" / "rebase-merge").exists():  # an interrupted `export`
+        git.run(tree, "rebase", "--abort", check=False)
     git.run(tree, "reset", "-q", "--hard", "pristine")
     git.run(tree, "clean", "-q", "-fdx")
 

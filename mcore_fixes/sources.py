@@ -7,6 +7,8 @@ tagged `pristine`, holds the baseline's `megatron/core` (plus `tests/unit_tests`
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import os
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 from . import git
@@ -22,7 +25,7 @@ from .errors import UserError
 from .manifest import Baseline
 from .progress import Progress
 
-PIN_FILE = "mcore-fixes-pin"  # inside the tree's .git directory
+PIN_FILE = git.TOOL_TREE_MARKER  # inside the tree's .git directory
 GIT_PATHS = ("megatron/core", "tests/unit_tests", "pyproject.toml")
 
 
@@ -63,10 +66,13 @@ def fetch_sdist(b: Baseline, progress: Progress) -> Path:
     """The verified sdist of a PyPI baseline, from the cache or downloaded with pip."""
     cache = cache_dir()
     target = cache / sdist_name(b)
+    discarded = ""
     if target.exists():
-        if sha256_of(target) == b.sha256:
+        actual = sha256_of(target)
+        if actual == b.sha256:
             return target
         target.unlink()  # a corrupt cache entry is replaced, never trusted
+        discarded = f"the cached {target} had sha256 {actual}, not the pinned one; discarded. "
     cache.mkdir(parents=True, exist_ok=True)
     progress.step(f"downloading megatron-core=={b.version} sdist with pip")
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
@@ -78,8 +84,8 @@ def fetch_sdist(b: Baseline, progress: Progress) -> Path:
         if proc.returncode != 0 or not got.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             raise UserError(
-                f"could not download megatron-core=={b.version} from the package index "
-                f"(is it reachable?): {' / '.join(tail)}. Offline, place {sdist_name(b)} "
+                f"{discarded}could not download megatron-core=={b.version} from the package "
+                f"index (is it reachable?): {' / '.join(tail)}. Offline, place {sdist_name(b)} "
                 f"(sha256 {b.sha256}) in the cache {cache} (or set MCORE_FIXES_CACHE)."
             )
         actual = sha256_of(got)
@@ -153,13 +159,9 @@ def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Pro
             f"commit {b.commit} ({b.ref}) is not in {mcore_repo}; run `git fetch --tags` there"
         )
     progress.step(f"reading {b.ref} ({b.commit[:10]}) from {mcore_repo}")
-    present = [
-        p for p in GIT_PATHS if git.ok(mcore_repo, "cat-file", "-e", f"{b.commit}:{p}")
-    ]
-    proc = subprocess.run(
-        [git.git_exe(), "-C", str(mcore_repo), "archive", "--format=tar", b.commit, *present],
-        capture_output=True,
-    )
+    present = [p for p in GIT_PATHS if git.ok(mcore_repo, "cat-file", "-e", f"{b.commit}:{p}")]
+    archive = ["-c", "core.autocrlf=false", "archive", "--format=tar", b.commit, *present]
+    proc = subprocess.run([git.git_exe(), "-C", str(mcore_repo), *archive], capture_output=True)
     if proc.returncode != 0:
         raise UserError(f"git archive failed in {mcore_repo}: {proc.stderr.decode().strip()}")
     with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
@@ -167,25 +169,45 @@ def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Pro
     return b.commit
 
 
-def pristine_tree(
-    b: Baseline, trees: Path, mcore_repo: Path | None, progress: Progress
-) -> Path:
+@contextlib.contextmanager
+def trees_lock(trees: Path, progress: Progress) -> Iterator[None]:
+    """Serialize runs of the tool that reset and check out the tree repositories."""
+    trees.mkdir(parents=True, exist_ok=True)
+    with open(trees / ".lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress.step(f"waiting for another mcore_fixes run using {trees}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _pin(b: Baseline) -> str:
+    return b.sha256 if b.source == "pypi" else b.commit
+
+
+def cached(b: Baseline, trees: Path) -> bool:
+    """Whether the pristine tree of `b` is already materialized (usable without a checkout)."""
+    pin_file = trees / b.name / ".git" / PIN_FILE
+    return pin_file.exists() and pin_file.read_text().strip() == _pin(b)
+
+
+def pristine_tree(b: Baseline, trees: Path, mcore_repo: Path | None, progress: Progress) -> Path:
     """The baseline's pristine tree repository, built once and reused while its pin matches."""
     tree = trees / b.name
-    pin = b.sha256 if b.source == "pypi" else b.commit
-    pin_file = tree / ".git" / PIN_FILE
-    if pin_file.exists() and pin_file.read_text().strip() == pin:
+    if cached(b, trees):
         return tree
+    pin = _pin(b)
     trees.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{b.name}.", dir=trees))
     try:
         _materialize(b, tmp, mcore_repo, progress)
-        git.run(tmp, "init", "-q")
+        git.run(tmp, "init", "-q", env=git.NEUTRAL_CONFIG)
+        (tmp / ".git" / PIN_FILE).write_text(pin + "\n")  # from here on, a neutral git config
         git.run(tmp, "add", "-A")
         env = git.TOOL_IDENTITY
         git.run(tmp, "commit", "-q", "--no-verify", "-m", f"pristine {b.name}", env=env)
         git.run(tmp, "tag", "pristine")
-        (tmp / ".git" / PIN_FILE).write_text(pin + "\n")
         if tree.exists():
             shutil.rmtree(tree)
         os.replace(tmp, tree)

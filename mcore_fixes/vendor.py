@@ -60,13 +60,19 @@ def info_record(manifest: Manifest, b: Baseline, tree: Path, cells: list[Cell]) 
         "source": b.source,
         "pin": b.sha256 if b.source == "pypi" else b.commit,
         "applied": [
-            {"id": c.patch, "fix": patches[c.patch].fix, "file": c.file,
-             "sha256": file_sha256(manifest.root / c.file)}
-            for c in cells if c.state == "applies"
+            {
+                "id": c.patch,
+                "fix": patches[c.patch].fix,
+                "file": c.file,
+                "sha256": file_sha256(manifest.root / c.file),
+            }
+            for c in cells
+            if c.state == "applies"
         ],
         "not_applied": [
             {"id": c.patch, "fix": patches[c.patch].fix, "state": c.state, "reason": c.detail}
-            for c in cells if c.state != "applies"
+            for c in cells
+            if c.state != "applies"
         ],
         "base_metadata": base_metadata(tree),
     }
@@ -99,6 +105,12 @@ def vendor(
             f"the vendored tree has {len(edits)} local edit(s) (e.g. {edits[0]}); run "
             "`python -m mcore_fixes export` to keep them, or `vendor --force` to discard them"
         )
+    previous = _load_state(root)
+    if previous is None and (root / "megatron").exists() and not force:
+        raise CheckFailed(
+            f"{root / 'megatron'} exists but build/{STATE_NAME} (what vendor wrote) is missing, "
+            "so its local edits cannot be told apart; move it away or pass `vendor --force`"
+        )
     progress.step(f"applying the series to {b.name}")
     cells = apply_series(tree, manifest, b)
     bad = [c for c in cells if c.state not in OK_STATES + ("absent",)]
@@ -119,6 +131,9 @@ def vendor(
         shutil.rmtree(old)
     os.replace(staging / "megatron", old)
     shutil.rmtree(staging)
+    for rel in (previous or {}).get("test_files", []):
+        if rel not in tests:  # the test of a patch not applied on this baseline
+            (root / rel).unlink(missing_ok=True)
     for rel in tests:
         dest = root / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -144,18 +159,19 @@ def export(
 ) -> list[tuple[str, str]]:
     """Fold edits of the vendored tree into their patches and rewrite the patch files.
 
-    Each edited file goes to the last patch of the series that touches it (or to `into`).
+    Each edited file goes to the last patch of the series that touches it; a file no patch
+    touches goes to `into`.
     Returns (patch file, "updated" | "unchanged") for every patch file this baseline owns.
     """
+    if into is not None:
+        manifest.patch(into)  # an unknown id is an error even when nothing needs it
     edits = local_edits(root)
     cells = apply_series(tree, manifest, b)
     commits = {c.patch: c for c in cells if c.state == "applies"}
     owners: dict[str, list[str]] = {}
     for rel in edits:
-        owner = into
-        if owner is None:
-            sha = git.out(tree, "log", "-1", "--format=%H", "pristine..HEAD", "--", rel)
-            owner = next((c.patch for c in commits.values() if c.commit == sha), None)
+        sha = git.out(tree, "log", "-1", "--format=%H", "pristine..HEAD", "--", rel)
+        owner = next((c.patch for c in commits.values() if c.commit == sha), into)
         if owner is None:
             raise CheckFailed(
                 f"edited file {rel} belongs to no patch of the series; pass --into PATCH_ID"
@@ -173,12 +189,19 @@ def export(
             else:
                 dst.unlink(missing_ok=True)
         git.run(tree, "add", "-A", "--", *rels)
-        git.run(tree, "commit", "-q", "--no-verify", f"--fixup={commits[owner].commit}",
-                env=git.TOOL_IDENTITY)
+        git.run(
+            tree,
+            "commit",
+            "-q",
+            "--no-verify",
+            f"--fixup={commits[owner].commit}",
+            env=git.TOOL_IDENTITY,
+        )
     if owners:
         env = git.TOOL_IDENTITY | {"GIT_SEQUENCE_EDITOR": "true"}
-        rebase = git.run(tree, "rebase", "-q", "-i", "--autosquash", "pristine", check=False,
-                         env=env)
+        rebase = git.run(
+            tree, "rebase", "-q", "-i", "--autosquash", "pristine", check=False, env=env
+        )
         if rebase.returncode != 0:
             git.run(tree, "rebase", "--abort", check=False)
             raise CheckFailed(f"the edits conflict with later patches: {rebase.stderr.strip()}")

@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from toolworld import Result, World, build_world, cli
 
 
@@ -33,6 +32,8 @@ def _hermetic_env(tmp_path_factory):
         mp.setenv("PIP_NO_CACHE_DIR", "1")
         mp.delenv("PIP_FIND_LINKS", raising=False)
         mp.setenv("PYTHONDONTWRITEBYTECODE", "1")
+        # `prove` runs pytest in subprocesses: keep them lean (no third-party plugins).
+        mp.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
         yield
 
 
@@ -58,5 +59,3 @@ def tool(capsys):
         return Result(rc, out, err)
 
     return run
-
-

@@ -26,10 +26,13 @@ def test_status_json_shape_and_states(world, project, tool):
     data = json.loads(r.out)
     assert set(data) == {"baselines", "patches", "cells"}
     assert [b["name"] for b in data["baselines"]] == [
-        "0.1.0", "core_v0.1.1", "core_v0.2.0", "core_v0.3.0"]
+        "0.1.0",
+        "core_v0.1.1",
+        "core_v0.2.0",
+        "core_v0.3.0",
+    ]
     pypi = data["baselines"][0]
-    assert pypi == {"name": "0.1.0", "source": "pypi", "version": "0.1.0",
-                    "pin": world.sdist_sha}
+    assert pypi == {"name": "0.1.0", "source": "pypi", "version": "0.1.0", "pin": world.sdist_sha}
     assert data["baselines"][2]["pin"] == world.commits["core_v0.2.0"]
     assert data["patches"] == [
         {"id": "fix-mean", "fix": 1, "file": "0001-fix-mean.patch", "requires": []},
@@ -51,8 +54,18 @@ def test_status_table(world, project, tool):
     r = tool(project, "status", "--mcore-repo", world.upstream)
     assert r.rc == 0, r.err
     lines = r.out.splitlines()
-    assert lines[0].split() == ["baseline", "fix-mean", "(fix", "1)", "join-sep", "(fix", "2)",
-                                "weak-test", "(fix", "3)"]
+    assert lines[0].split() == [
+        "baseline",
+        "fix-mean",
+        "(fix",
+        "1)",
+        "join-sep",
+        "(fix",
+        "2)",
+        "weak-test",
+        "(fix",
+        "3)",
+    ]
     rows = {ln.split()[0]: ln.split()[1:] for ln in lines[2:6]}
     assert rows == {
         "0.1.0": ["applies", "applies", "applies"],
@@ -65,8 +78,9 @@ def test_status_table(world, project, tool):
 
 
 def test_status_markdown(world, project, tool):
-    r = tool(project, "status", "--markdown", "--mcore-repo", world.upstream,
-             "--baseline", "core_v0.3.0")
+    r = tool(
+        project, "status", "--markdown", "--mcore-repo", world.upstream, "--baseline", "core_v0.3.0"
+    )
     assert r.rc == 0, r.err
     lines = r.out.splitlines()
     assert lines[0] == "| baseline | fix-mean (fix 1) | join-sep (fix 2) | weak-test (fix 3) |"
@@ -76,7 +90,8 @@ def test_status_markdown(world, project, tool):
     assert any(ln.startswith("- core_v0.3.0 / join-sep: conflict:") for ln in lines)
 
 
-def test_status_git_baselines_skipped_without_checkout(project, tool, monkeypatch):
+def test_status_git_baselines_skipped_without_checkout(world, tool, tmp_path, monkeypatch):
+    project = world.project(tmp_path / "proj", prebuilt=False)
     monkeypatch.delenv("MCORE_REPO", raising=False)
     r = tool(project, "status", "--json")
     assert r.rc == 0, r.err
@@ -94,6 +109,14 @@ def test_status_git_baselines_skipped_without_checkout(project, tool, monkeypatc
     assert "skipped: no Megatron-LM checkout" in r.out
 
 
+def test_status_materialized_git_tree_needs_no_checkout(project, tool):
+    # build/trees/core_v0.3.0 exists at the pinned commit: no --mcore-repo needed.
+    r = tool(project, "status", "--json", "--baseline", "core_v0.3.0")
+    assert r.rc == 0, r.err
+    states = [c["state"] for c in json.loads(r.out)["cells"]]
+    assert states == ["applied-upstream", "conflict", "applies"]
+
+
 def test_status_mcore_repo_from_environment(world, project, tool, monkeypatch):
     monkeypatch.setenv("MCORE_REPO", str(world.upstream))
     r = tool(project, "status", "--json", "--baseline", "core_v0.2.0")
@@ -108,6 +131,7 @@ def test_status_pin_not_in_checkout_is_skipped_with_reason(world, tool, tmp_path
     old = tmp_path / "old"
     world.clone(old, "core_v0.1.0")
     from toolworld import git
+
     git(old, "tag", "-d", "core_v0.1.1", "core_v0.2.0", "core_v0.3.0")
     git(old, "branch", "-D", "main")
     git(old, "remote", "remove", "origin")
@@ -139,6 +163,7 @@ def test_status_bad_mcore_repo(project, tool, tmp_path):
 
 def test_status_via_python_m(world, project):
     from toolworld import run_module
+
     r = run_module(project, "status", "--json", "--baseline", "0.1.0")
     assert r.rc == 0, r.err
     assert '"state": "applies"' in r.out

@@ -1,6 +1,6 @@
-"""Fixtures for the mcore_fixes tool tests: a synthetic Megatron-LM upstream, a toy series.
+"""The synthetic world of the mcore_fixes tool tests: a fake Megatron-LM upstream, a toy series.
 
-Everything is offline and built once per session:
+Everything is offline and built once per session (``build_world``, the ``world`` fixture):
 
 * ``upstream``: a git repository shaped like Megatron-LM (``megatron/core/package_info.py``,
   two small modules, ``tests/unit_tests/``) with tags core_v0.1.0 .. core_v0.3.0;
@@ -10,19 +10,23 @@ Everything is offline and built once per session:
 
 Upstream history and what the series sees on each baseline:
 
-========== =============== ========== ========= ===============
-baseline   source          fix-mean   join-sep  weak-test
-========== =============== ========== ========= ===============
-0.1.0      pypi (cache)    applies    applies   applies
+=========== ============== ========== ========= =========
+baseline    source         fix-mean   join-sep  weak-test
+=========== ============== ========== ========= =========
+0.1.0       pypi (cache)   applies    applies   applies
 core_v0.1.1 git (rc0 tag)  applies    applies   absent
 core_v0.2.0 git            upstream   applies   applies
 core_v0.3.0 git            upstream   conflict  applies
-========== =============== ========== ========= ===============
+=========== ============== ========== ========= =========
+
+weak-test's regression test passes unpatched: `prove` must flag it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import shutil
 import subprocess
@@ -36,12 +40,21 @@ if str(MAIN) not in sys.path:
 
 from mcore_fixes import cli  # noqa: E402
 
-FORMAT_PATCH = ["format-patch", "-1", "--zero-commit", "--no-signature", "-N", "--abbrev=12",
-                "--stdout"]
+FORMAT_PATCH = [
+    "format-patch",
+    "-1",
+    "--zero-commit",
+    "--no-signature",
+    "-N",
+    "--abbrev=12",
+    "--stdout",
+]
 
 UPSTREAM_ID = {
-    "GIT_AUTHOR_NAME": "Upstream Dev", "GIT_AUTHOR_EMAIL": "dev@upstream.example",
-    "GIT_COMMITTER_NAME": "Upstream Dev", "GIT_COMMITTER_EMAIL": "dev@upstream.example",
+    "GIT_AUTHOR_NAME": "Upstream Dev",
+    "GIT_AUTHOR_EMAIL": "dev@upstream.example",
+    "GIT_COMMITTER_NAME": "Upstream Dev",
+    "GIT_COMMITTER_EMAIL": "dev@upstream.example",
     "GIT_AUTHOR_DATE": "2024-01-01T00:00:00+00:00",
     "GIT_COMMITTER_DATE": "2024-01-01T00:00:00+00:00",
 }
@@ -117,27 +130,68 @@ def upper(name):
     return name.upper()
 '''
 
-TEST_MEAN = '''from megatron.core.calc import mean
+# The sdist must be downloadable by `pip download` offline (--no-index --find-links): pip
+# prepares its metadata, so it carries an in-tree PEP 517 backend that needs nothing.
+PYPROJECT = """[build-system]
+requires = []
+build-backend = "fake_backend"
+backend-path = ["."]
+
+[project]
+name = "megatron-core"
+dynamic = ["version"]
+dependencies = ["torch", "numpy"]
+"""
+FAKE_BACKEND = '''"""A PEP 517 backend that only prepares metadata (enough for `pip download`)."""
+import os
+import re
+
+
+def _version():
+    with open(os.path.join("megatron", "core", "package_info.py")) as f:
+        fields = dict(re.findall(r"^(MAJOR|MINOR|PATCH) = (\\d+)$", f.read(), re.M))
+    return "{MAJOR}.{MINOR}.{PATCH}".format(**fields)
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return []
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    name = f"megatron_core-{_version()}.dist-info"
+    os.makedirs(os.path.join(metadata_directory, name))
+    with open(os.path.join(metadata_directory, name, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\\nName: megatron-core\\nVersion: {_version()}\\n")
+    return name
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    raise RuntimeError("this fake sdist is for download tests only")
+'''
+
+TEST_MEAN = """from megatron.core.calc import mean
 
 
 def test_mean_of_three():
     assert mean([1, 2, 3]) == 2
-'''
-TEST_JOIN = '''from megatron.core.util import join_names
+"""
+TEST_JOIN = """from megatron.core.util import join_names
 
 
 def test_join_with_separator():
     assert join_names(["a", "b"], sep="-") == "a-b"
-'''
-TEST_CONSTANTS = '''def test_trivial():
+"""
+TEST_CONSTANTS = """def test_trivial():
     # A regression test that cannot fail: prove must flag it.
     assert 1 + 1 == 2
-'''
+"""
 
 
 def git(cwd: Path, *args: str, env: dict[str, str] | None = None, check: bool = True) -> str:
     proc = subprocess.run(
-        ["git", "-C", str(cwd), *args], capture_output=True, text=True,
+        ["git", "-C", str(cwd), *args],
+        capture_output=True,
+        text=True,
         env={**os.environ, **(env or {})},
     )
     if check and proc.returncode != 0:
@@ -189,8 +243,12 @@ class World:
 
     def project(self, dest: Path, prebuilt: bool = True) -> Path:
         """A fresh copy of the template project (with pristine trees, unless prebuilt=False)."""
-        shutil.copytree(self.template, dest, symlinks=True,
-                        ignore=None if prebuilt else shutil.ignore_patterns("build"))
+        shutil.copytree(
+            self.template,
+            dest,
+            symlinks=True,
+            ignore=None if prebuilt else shutil.ignore_patterns("build"),
+        )
         return dest
 
 
@@ -242,12 +300,16 @@ version = "0.3.0"
 '''
 
 
-def run_module(root: Path, *args: str, env: dict[str, str] | None = None,
-               cwd: Path = MAIN) -> Result:
+def run_module(
+    root: Path, *args: str, env: dict[str, str] | None = None, cwd: Path = MAIN
+) -> Result:
     """`python -m mcore_fixes --root root args...` in a subprocess."""
     proc = subprocess.run(
         [sys.executable, "-m", "mcore_fixes", "--root", str(root), *map(str, args)],
-        cwd=cwd, capture_output=True, text=True, env=env if env is not None else None,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env if env is not None else None,
         timeout=120,
     )
     return Result(proc.returncode, proc.stdout, proc.stderr)
@@ -272,8 +334,9 @@ def snapshot(repo: Path) -> dict[str, str]:
 
 def tree_snapshot(root: Path) -> dict[str, str]:
     """Every file under root (path -> sha256)."""
-    return {p.relative_to(root).as_posix(): sha256(p) for p in sorted(root.rglob("*"))
-            if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): sha256(p) for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def build_world(base: Path) -> World:
@@ -285,7 +348,8 @@ def build_world(base: Path) -> World:
 
     # core_v0.1.0
     write(up, "README.md", "Fake Megatron-LM\n")
-    write(up, "pyproject.toml", '[project]\nname = "megatron-core"\ndynamic = ["version"]\n')
+    write(up, "pyproject.toml", PYPROJECT)
+    write(up, "fake_backend.py", FAKE_BACKEND)
     write(up, "megatron/core/__init__.py", '"""Fake Megatron-Core."""\n')
     write(up, "megatron/core/package_info.py", package_info(0, 1, 0))
     write(up, "megatron/core/calc.py", CALC_BUGGY)
@@ -303,18 +367,26 @@ def build_world(base: Path) -> World:
     changes = {
         "fix-mean": {"megatron/core/calc.py": CALC_FIXED, TEST_FILES["fix-mean"]: TEST_MEAN},
         "join-sep": {"megatron/core/util.py": UTIL_SEP, TEST_FILES["join-sep"]: TEST_JOIN},
-        "weak-test": {"megatron/core/constants.py": "ANSWER = 42\n",
-                      TEST_FILES["weak-test"]: TEST_CONSTANTS},
+        "weak-test": {
+            "megatron/core/constants.py": "ANSWER = 42\n",
+            TEST_FILES["weak-test"]: TEST_CONSTANTS,
+        },
     }
     for pid, files in changes.items():
         name, email, date = AUTHORS[pid]
-        env = {**UPSTREAM_ID, "GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email,
-               "GIT_AUTHOR_DATE": date}
+        env = {
+            **UPSTREAM_ID,
+            "GIT_AUTHOR_NAME": name,
+            "GIT_AUTHOR_EMAIL": email,
+            "GIT_AUTHOR_DATE": date,
+        }
         for rel, text in files.items():
             write(scratch, rel, text)
-        message = (f"{SUBJECTS[pid]}\n\nWhy {pid} is needed, in a paragraph.\n\n"
-                   f"Bug: https://example.com/issues/{pid}\nForwarded: no\n"
-                   f"Signed-off-by: {name} <{email}>\n")
+        message = (
+            f"{SUBJECTS[pid]}\n\nWhy {pid} is needed, in a paragraph.\n\n"
+            f"Bug: https://example.com/issues/{pid}\nForwarded: no\n"
+            f"Signed-off-by: {name} <{email}>\n"
+        )
         commit_all(scratch, message, env=env)
         (patches / PATCH_FILES[pid]).write_text(git(scratch, *FORMAT_PATCH))
 
@@ -340,15 +412,31 @@ def build_world(base: Path) -> World:
     cache = Path(os.environ["MCORE_FIXES_CACHE"])
     cache.mkdir(parents=True, exist_ok=True)
     sdist = cache / "megatron_core-0.1.0.tar.gz"
-    git(up, "archive", "--format=tar.gz", "--prefix=megatron_core-0.1.0/", "-o", str(sdist),
-        "core_v0.1.0", "megatron", "pyproject.toml", "README.md")
+    git(
+        up,
+        "archive",
+        "--format=tar.gz",
+        "--prefix=megatron_core-0.1.0/",
+        "-o",
+        str(sdist),
+        "core_v0.1.0",
+        "megatron",
+        "pyproject.toml",
+        "fake_backend.py",
+        "README.md",
+    )
     sdist_sha = sha256(sdist)
 
     (patches / "manifest.toml").write_text(manifest_text(commits, sdist_sha))
     template = patches.parent
     # Pre-build every pristine tree once; tests copy them with the project.
-    rc = cli.main(["--root", str(template), "status", "--mcore-repo", str(up)])
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = cli.main(["--root", str(template), "status", "--mcore-repo", str(up)])
     assert rc == 0
     assert sorted(p.name for p in (template / "build" / "trees").iterdir()) == [
-        "0.1.0", "core_v0.1.1", "core_v0.2.0", "core_v0.3.0"]
+        "0.1.0",
+        "core_v0.1.1",
+        "core_v0.2.0",
+        "core_v0.3.0",
+    ]
     return World(base, up, commits, patches, cache, sdist_sha, template)

@@ -1,0 +1,201 @@
+"""`apply`: the series onto a user's Megatron-LM checkout, all or nothing."""
+
+from __future__ import annotations
+
+from toolworld import AUTHORS, CALC_FIXED, SUBJECTS, TEST_FILES, git, snapshot, write
+
+
+def log(repo, n):
+    return git(repo, "log", f"-{n}", "--reverse", "--format=%an <%ae>|%aI|%s").splitlines()
+
+
+def test_apply_detects_by_version_and_commits_each_patch(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    base = git(co, "rev-parse", "HEAD").strip()
+    r = tool(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert "baseline 0.1.0 (megatron/core/package_info.py says 0.1.0)" in r.out
+    for pid in ("fix-mean", "join-sep", "weak-test"):
+        assert f"  {pid}: committed" in r.out
+    assert git(co, "rev-list", "--count", f"{base}..HEAD").strip() == "3"
+    assert git(co, "symbolic-ref", "HEAD").strip() == "refs/heads/work"
+    expected = [
+        f"{AUTHORS[p][0]} <{AUTHORS[p][1]}>|{AUTHORS[p][2]}|{SUBJECTS[p]}"
+        for p in ("fix-mean", "join-sep", "weak-test")
+    ]
+    assert log(co, 3) == expected
+    body = git(co, "log", "-1", "--format=%B", "HEAD~2")
+    assert "Signed-off-by: Ada Lovelace <ada@example.com>" in body
+    assert "Bug: https://example.com/issues/fix-mean" in body
+    assert git(co, "status", "--porcelain").strip() == ""
+    assert (co / "megatron/core/calc.py").read_text() == CALC_FIXED
+    assert (co / TEST_FILES["fix-mean"]).exists()
+
+    # Re-applying is a no-op that says so.
+    head = git(co, "rev-parse", "HEAD")
+    r = tool(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert "nothing to do" in r.out and r.out.count(": already applied") == 3
+    assert git(co, "rev-parse", "HEAD") == head
+
+
+def test_apply_to_linked_worktree_detects_pinned_commit(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    wt = tmp_path / "wt"
+    git(co, "worktree", "add", "-q", "-b", "wt-branch", str(wt), "core_v0.1.1")
+    main_head = git(co, "rev-parse", "HEAD")
+    r = tool(project, "apply", wt / "megatron")  # any directory inside the checkout
+    assert r.rc == 0, r.err
+    assert "baseline core_v0.1.1 (HEAD is the pinned commit of core_v0.1.1)" in r.out
+    assert "weak-test: absent on core_v0.1.1" in r.out
+    assert log(wt, 2) == [
+        f"{AUTHORS[p][0]} <{AUTHORS[p][1]}>|{AUTHORS[p][2]}|{SUBJECTS[p]}"
+        for p in ("fix-mean", "join-sep")
+    ]
+    assert git(wt, "rev-parse", "HEAD~2").strip() == world.commits["core_v0.1.1"]
+    assert git(co, "rev-parse", "HEAD") == main_head  # the main work tree is not touched
+    assert git(wt, "status", "--porcelain").strip() == ""
+    assert not (wt / "megatron/core/constants.py").exists()
+
+
+def test_apply_partly_upstream(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.2.0")
+    r = tool(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert "fix-mean: already applied" in r.out
+    assert "join-sep: committed" in r.out and "weak-test: committed" in r.out
+    assert "nothing to do" not in r.out
+    assert git(co, "rev-list", "--count", "core_v0.2.0..HEAD").strip() == "2"
+
+
+def test_apply_no_commit(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    head = git(co, "rev-parse", "HEAD")
+    r = tool(project, "apply", "--no-commit", co)
+    assert r.rc == 0, r.err
+    assert "applied to the work tree (not committed)" in r.out
+    assert git(co, "rev-parse", "HEAD") == head
+    status = git(co, "status", "--porcelain", "--untracked-files=all").splitlines()
+    assert " M megatron/core/calc.py" in status and " M megatron/core/util.py" in status
+    assert f"?? {TEST_FILES['fix-mean']}" in status
+    assert (co / "megatron/core/calc.py").read_text() == CALC_FIXED
+    r = tool(project, "apply", "--no-commit", co)
+    assert r.rc == 0 and "nothing to do" in r.out
+
+
+def test_apply_refuses_dirty_touched_file(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    calc = co / "megatron/core/calc.py"
+    calc.write_text(calc.read_text() + "# work in progress\n")
+    before = snapshot(co)
+    r = tool(project, "apply", co)
+    assert r.rc == 1
+    assert "uncommitted changes" in r.err and "megatron/core/calc.py" in r.err
+    assert "nothing was changed" in r.err
+    assert snapshot(co) == before
+    assert calc.read_text().endswith("# work in progress\n")
+
+
+def test_apply_refuses_untracked_file_in_the_way(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    write(co, TEST_FILES["join-sep"], "# mine\n")
+    before = snapshot(co)
+    r = tool(project, "apply", co)
+    assert r.rc == 1 and TEST_FILES["join-sep"] in r.err
+    assert snapshot(co) == before
+
+
+def test_apply_refuses_staged_changes(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    write(co, "README.md", "staged\n")
+    git(co, "add", "README.md")
+    before = snapshot(co)
+    r = tool(project, "apply", co)
+    assert r.rc == 1 and "staged changes" in r.err
+    assert snapshot(co) == before
+
+
+def test_apply_conflict_leaves_checkout_exactly_as_before(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.3.0")
+    write(co, "notes.txt", "untracked work\n")
+    before = snapshot(co)
+    r = tool(project, "apply", co)
+    assert r.rc == 1
+    msg = r.err.strip()
+    assert len(msg.splitlines()) == 1
+    assert "patch join-sep (0002-join-sep.patch)" in msg
+    assert "megatron/core/util.py" in msg and "left unchanged" in msg
+    assert snapshot(co) == before
+    assert not (co / ".git" / "rebase-apply").exists()
+
+
+def test_apply_keeps_unrelated_uncommitted_work(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    write(co, "README.md", "my unrelated edit\n")
+    write(co, "megatron/core/__init__.py", '"""Locally edited."""\n')
+    write(co, "scratch/notes.txt", "untracked\n")
+    r = tool(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert git(co, "rev-list", "--count", "core_v0.1.0..HEAD").strip() == "3"
+    status = sorted(git(co, "status", "--porcelain", "--untracked-files=all").splitlines())
+    assert status == [" M README.md", " M megatron/core/__init__.py", "?? scratch/notes.txt"]
+    assert (co / "README.md").read_text() == "my unrelated edit\n"
+    assert (co / "scratch/notes.txt").read_text() == "untracked\n"
+    # The commits carry only the series' files.
+    files = git(co, "diff", "--name-only", "core_v0.1.0", "HEAD").split()
+    assert "README.md" not in files and "megatron/core/__init__.py" not in files
+
+
+def test_apply_baseline_override(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.1")
+    git(co, "commit", "-q", "--allow-empty", "-m", "local")  # HEAD no longer the pin
+    before = snapshot(co)
+    r = tool(project, "apply", co)  # 0.1.1rc0 matches no baseline version
+    assert r.rc == 2
+    msg = r.err.strip()
+    assert len(msg.splitlines()) == 1
+    assert "matches no baseline" in msg and "0.1.1rc0" in msg and "--baseline" in msg
+    assert snapshot(co) == before
+    r = tool(project, "apply", "--baseline", "core_v0.1.1", co)
+    assert r.rc == 0, r.err
+    assert "chosen with --baseline" in r.out
+    assert git(co, "rev-list", "--count", "HEAD~1..HEAD").strip() == "1"
+    assert git(co, "rev-list", "--count", "core_v0.1.1..HEAD").strip() == "3"
+
+
+def test_apply_not_a_checkout(project, tool, tmp_path):
+    r = tool(project, "apply", tmp_path / "missing")
+    assert r.rc == 2 and "does not exist" in r.err
+    (tmp_path / "plain").mkdir()
+    r = tool(project, "apply", tmp_path / "plain")
+    assert r.rc == 2 and "not a git work tree" in r.err
+
+
+def test_apply_not_megatron(world, project, tool, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    git(other, "init", "-q")
+    write(other, "x.txt", "x\n")
+    git(other, "add", "x.txt")
+    git(other, "commit", "-qm", "x")
+    r = tool(project, "apply", other)
+    assert r.rc == 2 and "not a Megatron-LM checkout" in r.err
+
+
+def test_apply_refuses_during_am_in_progress(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    (co / ".git" / "rebase-apply").mkdir()
+    r = tool(project, "apply", co)
+    assert r.rc == 1 and "in progress" in r.err
+
+
+def test_apply_refuses_during_am_in_linked_worktree(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    wt = tmp_path / "wt"
+    git(co, "worktree", "add", "-q", "-b", "wt-branch", str(wt), "core_v0.1.0")
+    gitdir = git(wt, "rev-parse", "--absolute-git-dir").strip()
+    (tmp_path / gitdir / "rebase-apply").mkdir()
+    before = snapshot(wt)
+    r = tool(project, "apply", wt)
+    assert r.rc == 1 and "in progress" in r.err
+    assert snapshot(wt) == before
