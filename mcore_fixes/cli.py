@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             git.git_exe()  # every other verb needs git: say so before doing anything
         if args.verb in ("apply", "info"):
             return args.func(args)
-        with sources.trees_lock(_trees(args), Progress()):
+        with sources.project_lock(args.root, Progress()):
             return args.func(args)
     except UserError as exc:
         print(f"mcore_fixes: error: {exc}", file=sys.stderr)

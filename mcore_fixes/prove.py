@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
@@ -13,7 +14,7 @@ from . import git
 from .errors import UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import APPLIES, Cell, apply_series, file_sha256, read_patch, test_files
+from .series import APPLIES, Cell, apply_series, diff_sha256, read_patch, test_files
 
 PROOFS_DIR = Path("build") / "proofs"
 _SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?|skipped|deselected)\b|no tests ran")
@@ -99,6 +100,7 @@ def prove_baseline(
     cells = apply_series(tree, manifest, b)
     head = git.out(tree, "rev-parse", "HEAD")
     store = load_proofs(root, b.name)
+    keys = proof_keys(manifest, cells)
     for cell in cells:
         if cell.state != APPLIES or (only and cell.patch not in only):
             continue
@@ -115,13 +117,27 @@ def prove_baseline(
             progress.step(f"{b.name} {cell.patch}: tests with the fix")
             after = run_tests(tree, tests, python)
             cell.proof = {"verdict": verdict(before, after), "before": before, "after": after}
-        cell.proof |= {"sha256": file_sha256(path), "pin": _pin(b), "tests": tests}
+        cell.proof |= {"key": keys[cell.patch], "pin": _pin(b), "tests": tests}
         store[cell.patch] = cell.proof
     _checkout(tree, head)
     out = root / PROOFS_DIR / f"{b.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(store, indent=1) + "\n")
     return cells
+
+
+def proof_keys(manifest: Manifest, cells: list[Cell]) -> dict[str, str]:
+    """Per applied patch, a hash of its diff and of the diffs applied before it.
+
+    A proof depends on the code it ran on: the messages of the patches do not count.
+    """
+    keys: dict[str, str] = {}
+    running = hashlib.sha256()
+    for cell in cells:
+        if cell.state == APPLIES:
+            running.update(diff_sha256(manifest.root / cell.file).encode())
+            keys[cell.patch] = running.hexdigest()
+    return keys
 
 
 def _pin(b: Baseline) -> str:
@@ -134,13 +150,12 @@ def load_proofs(root: Path, baseline: str) -> dict:
 
 
 def attach_proofs(root: Path, manifest: Manifest, b: Baseline, cells: list[Cell]) -> None:
-    """Attach stored proofs to cells, only where patch file and baseline pin are unchanged."""
+    """Attach stored proofs to cells, only where the baseline and the diffs are unchanged."""
     store = load_proofs(root, b.name)
+    keys = proof_keys(manifest, cells)
     for cell in cells:
         proof = store.get(cell.patch)
         if not proof or cell.state != APPLIES:
             continue
-        if proof.get("pin") == _pin(b) and proof.get("sha256") == file_sha256(
-            manifest.root / cell.file
-        ):
+        if proof.get("pin") == _pin(b) and proof.get("key") == keys.get(cell.patch):
             cell.proof = proof

@@ -81,6 +81,13 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def diff_sha256(path: Path) -> str:
+    """sha256 of a patch's diff alone: a proof stays valid when only the message changes."""
+    text = path.read_bytes()
+    start = text.find(b"\ndiff --git ")
+    return hashlib.sha256(text[start + 1 :] if start >= 0 else text).hexdigest()
+
+
 def conflict_detail(stderr: str) -> str:
     """`path:line` of the first failing hunk, or git's first error line."""
     m = re.search(r"patch failed: (\S+)", stderr)

@@ -170,16 +170,23 @@ def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Pro
 
 
 @contextlib.contextmanager
-def trees_lock(trees: Path, progress: Progress) -> Iterator[None]:
-    """Serialize runs of the tool that reset and check out the tree repositories."""
-    trees.mkdir(parents=True, exist_ok=True)
-    with open(trees / ".lock", "w") as handle:
+def project_lock(root: Path, progress: Progress) -> Iterator[None]:
+    """Serialize runs of the tool that reset and check out the tree repositories of `root`.
+
+    The lock is taken on the project directory itself, so it creates no file.
+    """
+    if not root.is_dir():
+        raise UserError(f"project root {root} is not a directory")
+    fd = os.open(root, os.O_RDONLY)
+    try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            progress.step(f"waiting for another mcore_fixes run using {trees}")
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            progress.step(f"waiting for another mcore_fixes run in {root}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(fd)
 
 
 def _pin(b: Baseline) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -32,9 +33,16 @@ def test_prove_proven(project, tool):
     assert by_patch["join-sep"]["proof"]["verdict"] == "proven"
     assert "proof" not in by_patch["fix-mean"]
     assert "applies, proven" in tool(project, "status", "--baseline", "0.1.0").out
-    # ... and drops it once the patch file changes.
+    # ... also when only the message changes (a proof is about the code) ...
     patch = project / "patches/0002-join-sep.patch"
     patch.write_text(patch.read_text().replace("Forwarded: no", "Forwarded: yes"))
+    cells = json.loads(tool(project, "status", "--json", "--baseline", "0.1.0").out)["cells"]
+    assert {c["patch"]: c for c in cells}["join-sep"]["proof"]["verdict"] == "proven"
+    # ... and drops it once the diff changes.
+    lines = patch.read_text().splitlines(keepends=True)
+    last = max(i for i, ln in enumerate(lines) if ln.startswith("+") and ln[:4] != "+++ ")
+    lines[last] = lines[last].rstrip("\n") + "  # edited\n"
+    patch.write_text("".join(lines))
     cells = json.loads(tool(project, "status", "--json", "--baseline", "0.1.0").out)["cells"]
     assert all("proof" not in c for c in cells)
 
@@ -130,7 +138,10 @@ def test_info_of_vendored_tree(project, tool):
 
 
 def test_info_without_fork(tmp_path):
-    r = run_module(tmp_path, "info", cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(MAIN)})
+    # Only the tool on the path: a vendored ./megatron in the clone must not be found.
+    shutil.copytree(MAIN / "mcore_fixes", tmp_path / "tool" / "mcore_fixes")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "tool")}
+    r = run_module(tmp_path, "info", cwd=tmp_path, env=env)
     # Either no megatron.core at all (exit 2) or a plain one (exit 1): never a traceback.
     assert r.rc in (1, 2) and "Traceback" not in r.err
 

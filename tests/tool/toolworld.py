@@ -433,7 +433,7 @@ def build_world(base: Path) -> World:
     with contextlib.redirect_stdout(io.StringIO()):
         rc = cli.main(["--root", str(template), "status", "--mcore-repo", str(up)])
     assert rc == 0
-    assert sorted(p.name for p in (template / "build" / "trees").iterdir()) == [
+    assert sorted(p.name for p in (template / "build" / "trees").glob("[!.]*")) == [
         "0.1.0",
         "core_v0.1.1",
         "core_v0.2.0",

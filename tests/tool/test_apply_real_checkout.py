@@ -1,0 +1,99 @@
+"""`apply` on real Megatron-LM worktrees (core_v0.19.0 and main); needs MCORE_REPO.
+
+The user's checkout is never touched: each test makes a shared clone of it in a temp dir and
+a linked worktree of that clone at the baseline's pinned commit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mcore_fixes import manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFEST = manifest.load(ROOT / "patches" / "manifest.toml")
+MCORE_REPO = os.environ.get("MCORE_REPO")
+
+pytestmark = pytest.mark.skipif(
+    not MCORE_REPO, reason="needs a Megatron-LM checkout: set MCORE_REPO=/path/to/Megatron-LM"
+)
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def tool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_fixes", *args], cwd=ROOT, capture_output=True, text=True
+    )
+
+
+def snapshot(tree: Path) -> tuple[str, str, str]:
+    """HEAD, index and work tree state, to show a refused apply changed nothing."""
+    return (git(tree, "rev-parse", "HEAD"), git(tree, "diff", "--cached"), git(tree, "diff"))
+
+
+@pytest.fixture(params=["core_v0.19.0", "main"])
+def worktree(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, str]:
+    name = request.param
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", MCORE_REPO, str(clone)])
+    tree = tmp_path / name
+    git(clone, "worktree", "add", "-q", "--detach", str(tree), MANIFEST.baselines[name].commit)
+    git(tree, "config", "user.name", "test")
+    git(tree, "config", "user.email", "test@example.com")
+    return tree, name
+
+
+def test_apply_commits_then_is_idempotent(worktree: tuple[Path, str]) -> None:
+    tree, name = worktree
+    base = git(tree, "rev-parse", "HEAD")
+    first = tool("apply", str(tree))
+    assert first.returncode == 0, first.stderr
+    assert f"baseline {name}" in first.stdout
+    applied = [p for p in MANIFEST.patches if MANIFEST.patch_file(MANIFEST.baselines[name], p)]
+    log = git(tree, "log", "--format=%an|%s", f"{base}..HEAD").splitlines()
+    assert len(log) == len(applied)
+    assert all(line.startswith("mcore-fixes|") for line in log)
+    before = snapshot(tree)
+    again = tool("apply", str(tree))
+    assert again.returncode == 0, again.stderr
+    assert "already applied" in again.stdout
+    assert snapshot(tree) == before
+
+
+def test_apply_refuses_dirty_checkout(worktree: tuple[Path, str]) -> None:
+    tree, _ = worktree
+    target = tree / "megatron/core/optimizer/optimizer.py"
+    target.write_text(target.read_text() + "# local work\n")
+    before = snapshot(tree)
+    result = tool("apply", str(tree))
+    assert result.returncode == 1
+    assert "uncommitted changes" in result.stderr
+    assert snapshot(tree) == before
+    assert target.read_text().endswith("# local work\n")
+
+
+def test_apply_conflict_leaves_checkout_untouched(worktree: tuple[Path, str]) -> None:
+    tree, _ = worktree
+    target = tree / "megatron/core/optimizer/distrib_optimizer.py"
+    text = target.read_text()
+    anchor = "                        group_range = group_ranges[group_index]\n"
+    assert anchor in text
+    target.write_text(text.replace(anchor, anchor.replace("group_range =", "group_range  =")))
+    git(tree, "commit", "-qam", "local change in a patched hunk")
+    before = snapshot(tree)
+    result = tool("apply", str(tree))
+    assert result.returncode == 1
+    assert "distopt-param-index" in result.stderr
+    assert "distrib_optimizer.py" in result.stderr
+    assert snapshot(tree) == before
+    assert not git(tree, "status", "--porcelain")
