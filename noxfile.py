@@ -60,7 +60,7 @@ def _checkout_or_skip(session: nox.Session, baseline: str) -> None:
 @nox.session(tags=["ci"])
 def tool(session: nox.Session) -> None:
     """The tool's own tests: synthetic upstream repo, offline."""
-    session.install("pytest")
+    session.install("pytest", *UPSTREAM_BLACK)
     session.run("python", "-m", "pytest", "-q", "tests/tool", *session.posargs)
 
 
