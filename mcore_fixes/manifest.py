@@ -36,6 +36,11 @@ class Baseline:
     def is_git(self) -> bool:
         return self.source == "git"
 
+    @property
+    def pin(self) -> str:
+        """What identifies the baseline's files: sdist sha256 or commit id."""
+        return self.commit if self.is_git else self.sha256
+
 
 @dataclass(frozen=True)
 class Manifest:

@@ -117,7 +117,7 @@ def prove_baseline(
             progress.step(f"{b.name} {cell.patch}: tests with the fix")
             after = run_tests(tree, tests, python)
             cell.proof = {"verdict": verdict(before, after), "before": before, "after": after}
-        cell.proof |= {"key": keys[cell.patch], "pin": _pin(b), "tests": tests}
+        cell.proof |= {"key": keys[cell.patch], "pin": b.pin, "tests": tests}
         store[cell.patch] = cell.proof
     _checkout(tree, head)
     out = root / PROOFS_DIR / f"{b.name}.json"
@@ -140,10 +140,6 @@ def proof_keys(manifest: Manifest, cells: list[Cell]) -> dict[str, str]:
     return keys
 
 
-def _pin(b: Baseline) -> str:
-    return b.sha256 if b.source == "pypi" else b.commit
-
-
 def load_proofs(root: Path, baseline: str) -> dict:
     path = root / PROOFS_DIR / f"{baseline}.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -157,5 +153,5 @@ def attach_proofs(root: Path, manifest: Manifest, b: Baseline, cells: list[Cell]
         proof = store.get(cell.patch)
         if not proof or cell.state != APPLIES:
             continue
-        if proof.get("pin") == _pin(b) and proof.get("key") == keys.get(cell.patch):
+        if proof.get("pin") == b.pin and proof.get("key") == keys.get(cell.patch):
             cell.proof = proof

@@ -81,7 +81,7 @@ def as_json(manifest: Manifest, cells: list[Cell]) -> str:
                 "name": b.name,
                 "source": b.source,
                 "version": b.version,
-                "pin": b.sha256 if b.source == "pypi" else b.commit,
+                "pin": b.pin,
             }
             for b in manifest.baselines.values()
         ],

@@ -189,14 +189,10 @@ def project_lock(root: Path, progress: Progress) -> Iterator[None]:
         os.close(fd)
 
 
-def _pin(b: Baseline) -> str:
-    return b.sha256 if b.source == "pypi" else b.commit
-
-
 def cached(b: Baseline, trees: Path) -> bool:
     """Whether the pristine tree of `b` is already materialized (usable without a checkout)."""
     pin_file = trees / b.name / ".git" / PIN_FILE
-    return pin_file.exists() and pin_file.read_text().strip() == _pin(b)
+    return pin_file.exists() and pin_file.read_text().strip() == b.pin
 
 
 def pristine_tree(b: Baseline, trees: Path, mcore_repo: Path | None, progress: Progress) -> Path:
@@ -204,7 +200,7 @@ def pristine_tree(b: Baseline, trees: Path, mcore_repo: Path | None, progress: P
     tree = trees / b.name
     if cached(b, trees):
         return tree
-    pin = _pin(b)
+    pin = b.pin
     trees.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{b.name}.", dir=trees))
     try:

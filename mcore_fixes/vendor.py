@@ -58,7 +58,7 @@ def info_record(manifest: Manifest, b: Baseline, tree: Path, cells: list[Cell]) 
         "baseline": b.name,
         "version": b.version,
         "source": b.source,
-        "pin": b.sha256 if b.source == "pypi" else b.commit,
+        "pin": b.pin,
         "applied": [
             {
                 "id": c.patch,
