@@ -14,32 +14,25 @@ other params' shards.
 
 Run on a host with 2 GPUs, with a patched tree (e.g. build/trees/main) on PYTHONPATH:
 
-    PYTHONPATH=/path/to/tree torchrun --nproc_per_node=2 -m pytest --noconftest \
+    PYTHONPATH=/path/to/tree torchrun --nproc_per_node=2 -m pytest \
         -o addopts= -q tests/multigpu/test_distopt_dp2.py
 
-Skipped with fewer than 2 GPUs or outside torchrun (WORLD_SIZE unset or not 2).
+Skipped with fewer than 2 GPUs or outside torchrun (conftest.py).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-
-pytestmark = pytest.mark.skipif(
-    torch.cuda.device_count() < 2 or os.environ.get("WORLD_SIZE") != "2",
-    reason="needs 2 GPUs and torchrun --nproc_per_node=2 (WORLD_SIZE=2)",
-)
 
 BETA1 = 0.9
 STEPS_AFTER_LOAD = 3
@@ -78,33 +71,14 @@ class MixedNet(torch.nn.Module):
         return self.out(self.child(self.inp(x)))
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[int]:
-    """torchrun's NCCL world with Megatron's groups (TP = PP = 1, so DP = 2); yields the rank."""
-    from megatron.core import parallel_state
-
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl", timeout=timedelta(seconds=300))
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel()
-    assert parallel_state.get_data_parallel_world_size() == 2
-    yield dist.get_rank()
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 @pytest.fixture
-def shared_dir(world: int) -> Iterator[Path]:
+def shared_dir(dp_world: int) -> Iterator[Path]:
     """A directory both ranks see (pytest's tmp_path is per process)."""
-    holder: list[Any] = [tempfile.mkdtemp(prefix="distopt_dp2_") if world == 0 else None]
+    holder: list[Any] = [tempfile.mkdtemp(prefix="distopt_dp2_") if dp_world == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     yield Path(holder[0])
     dist.barrier()
-    if world == 0:
+    if dp_world == 0:
         shutil.rmtree(holder[0], ignore_errors=True)
 
 
@@ -162,7 +136,7 @@ def _assert_bitwise_equal(actual: Tensors, expected: Tensors, what: str) -> None
     assert not differ, f"rank {dist.get_rank()}: {what}: not bit-exact: {differ}"
 
 
-def test_dp2_state_is_each_params_own(world: int) -> None:
+def test_dp2_state_is_each_params_own(dp_world: int) -> None:
     """After one Adam step every local param's exp_avg is (1 - beta1) * its own grad shard."""
     model, optimizer, dist_optimizers = _model_and_optimizer()
     dtypes = [buffer.param_dtype for buffer in dist_optimizers[0].buffers]
@@ -217,7 +191,9 @@ def _round_trip(save: Callable[[Any, Any], None], load: Callable[[Any, Any], Non
 
 
 @pytest.mark.parametrize("sharding_type", SHARDING_TYPES)
-def test_dp2_dist_checkpoint_round_trip(world: int, shared_dir: Path, sharding_type: str) -> None:
+def test_dp2_dist_checkpoint_round_trip(
+    dp_world: int, shared_dir: Path, sharding_type: str
+) -> None:
     """torch_dist save -> load at DP=2 is bit-exact and training resumes bit-exactly."""
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -233,7 +209,7 @@ def test_dp2_dist_checkpoint_round_trip(world: int, shared_dir: Path, sharding_t
         pytest.skip("the torch_dist checkpoint writer of this version needs psutil")
     metadata = {"distrib_optim_sharding_type": sharding_type}
     ckpt_dir = shared_dir / sharding_type
-    if world == 0:
+    if dp_world == 0:
         ckpt_dir.mkdir()
     dist.barrier()
 
@@ -261,7 +237,7 @@ def test_dp2_dist_checkpoint_round_trip(world: int, shared_dir: Path, sharding_t
     _round_trip(save, load)
 
 
-def test_dp2_legacy_parameter_state_round_trip(world: int, shared_dir: Path) -> None:
+def test_dp2_legacy_parameter_state_round_trip(dp_world: int, shared_dir: Path) -> None:
     """Legacy state_dict() + save_parameter_state() (gathered to DP rank 0) round trip."""
     filename = str(shared_dir / "param_state.pt")
     saved: dict[str, Any] = {}

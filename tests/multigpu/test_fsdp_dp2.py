@@ -20,30 +20,23 @@ and a grad norm equal to that of a non-FSDP reference: MCore DDP + DistributedOp
 
 Run on a host with 2 GPUs, with a patched tree (e.g. build/trees/main) on PYTHONPATH:
 
-    PYTHONPATH=/path/to/tree torchrun --nproc_per_node=2 -m pytest --noconftest \
+    PYTHONPATH=/path/to/tree torchrun --nproc_per_node=2 -m pytest \
         -o addopts= -q tests/multigpu/test_fsdp_dp2.py
 
-Skipped with fewer than 2 GPUs or outside torchrun (WORLD_SIZE unset or not 2).
+Skipped with fewer than 2 GPUs or outside torchrun (conftest.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import types
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-
-pytestmark = pytest.mark.skipif(
-    torch.cuda.device_count() < 2 or os.environ.get("WORLD_SIZE") != "2",
-    reason="needs 2 GPUs and torchrun --nproc_per_node=2 (WORLD_SIZE=2)",
-)
 
 CLIP_GRAD = 1e-3
 TE_STAND_IN_VERSION = "2.8.0"
@@ -115,10 +108,11 @@ def te_stand_in(te_modules: bool) -> Iterator[None]:
     `te_modules`: also expose it as `transformer_engine.pytorch.optimizers.FusedAdam` (which
     OptimizerConfig imports to validate use_precision_aware_optimizer). Restored on exit.
     """
+    from packaging.version import Version
+
     import megatron.core.optimizer as mcore_optimizer
     import megatron.core.optimizer.distrib_optimizer as mcore_distrib_optimizer
     import megatron.core.utils as mcore_utils
-    from packaging.version import Version
 
     modules: dict[str, types.ModuleType] = {}
     if te_modules:
@@ -171,25 +165,6 @@ def record_empty_kernel_calls() -> Iterator[list[str]]:
         yield empty
     finally:
         clip_grads.multi_tensor_applier = original
-
-
-@pytest.fixture(scope="module")
-def world() -> Iterator[int]:
-    """torchrun's NCCL world with Megatron's groups (TP = PP = 1, so DP = 2); yields the rank."""
-    from megatron.core import parallel_state
-
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl", timeout=timedelta(seconds=300))
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel()
-    assert parallel_state.get_data_parallel_world_size() == 2
-    yield dist.get_rank()
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def _module(kind: str) -> torch.nn.Module:
@@ -293,7 +268,7 @@ def _reference_grad_norm(kind: str) -> float:
 
 
 @pytest.mark.parametrize("kind", ["mlp", "one_row"])
-def test_fsdp_dp2_precision_aware_step_matches_ddp(world: int, kind: str) -> None:
+def test_fsdp_dp2_precision_aware_step_matches_ddp(dp_world: int, kind: str) -> None:
     observed = _fsdp_step(kind)
     reference = _reference_grad_norm(kind)
     ranks: list[Any] = [None, None]

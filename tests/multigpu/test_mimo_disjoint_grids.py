@@ -16,28 +16,21 @@ its grad norm doubles.
 
 Run on a host with 2 GPUs, with a patched tree (e.g. build/trees/main) on PYTHONPATH:
 
-    PYTHONPATH=/path/to/tree torchrun --nproc_per_node=2 -m pytest --noconftest \
+    PYTHONPATH=/path/to/tree torchrun --nproc_per_node=2 -m pytest \
         -o addopts= -q tests/multigpu/test_mimo_disjoint_grids.py
 
-Skipped with fewer than 2 GPUs or outside torchrun (WORLD_SIZE unset or not 2).
+Skipped with fewer than 2 GPUs or outside torchrun (conftest.py).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.module import MegatronModule
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.device_count() < 2 or os.environ.get("WORLD_SIZE") != "2",
-    reason="needs 2 GPUs and torchrun --nproc_per_node=2 (WORLD_SIZE=2)",
-)
+from megatron.core.transformer.module import MegatronModule
 
 ENCODER = "images"
 HIDDEN = 16
@@ -55,20 +48,6 @@ class TinyModule(MegatronModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
-
-
-@pytest.fixture(scope="module")
-def world() -> Iterator[int]:
-    """NCCL world of torchrun; yields this rank."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl", timeout=timedelta(seconds=300))
-    yield dist.get_rank()
-    if created:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def _grid(offset: int) -> Any:
@@ -110,11 +89,12 @@ def _pg_collection(grid: Any) -> Any:
 def _build(rank: int) -> tuple[Any, Any, torch.nn.Module]:
     """MimoModel (encoder grid on rank 0, LLM grid on rank 1), its DDP module on this rank and
     the optimizer from get_mimo_optimizer."""
+    from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
+    from megatron.core.models.mimo.optimizer import get_mimo_optimizer
+
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.mimo.config.base_configs import MimoModelConfig
-    from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
     from megatron.core.models.mimo.model.base import MimoModel
-    from megatron.core.models.mimo.optimizer import get_mimo_optimizer
     from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
     from megatron.core.transformer.spec_utils import ModuleSpec
