@@ -51,6 +51,18 @@ def helpers_extension() -> Extension:
     )
 
 
+def fork_summary(info: dict) -> str:
+    """What this build contains, for the package metadata (also: python -m mcore_fixes info)."""
+    lines = [f"# megatron-core {info['baseline']} + mcore-fixes", "", f"Base pin: {info['pin']}"]
+    lines.append("")
+    lines += [f"- applied: fix {p['fix']} `{p['id']}` ({p['file']})" for p in info["applied"]]
+    lines += [
+        f"- not applied: fix {p['fix']} `{p['id']}`: {p['state']}: {p['reason']}"
+        for p in info["not_applied"]
+    ]
+    return "\n".join(lines) + "\n\n"
+
+
 info = vendored_info()
 base = info["base_metadata"]
 applied = [p["id"] for p in info["applied"]]
@@ -61,7 +73,7 @@ setup(
         f"Megatron Core {info['baseline']} with the mcore-fixes series "
         f"({', '.join(applied) or 'no patch applicable'})"
     ),
-    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description=fork_summary(info) + (ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache 2.0",
     python_requires=base["requires-python"],
