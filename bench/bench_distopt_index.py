@@ -172,7 +172,7 @@ def _step_table(trees: dict[str, str], steps: int, rounds: int) -> None:
     times: dict[str, list[float]] = {name: [] for name in trees}
     for round_index in range(rounds):
         for name in list(trees)[:: 1 if round_index % 2 == 0 else -1]:
-            times[name] += _run_child(trees[name], ["--step", "--steps", str(steps)])
+            times[name] += _run_child(trees[name], ["--step-time", "--steps", str(steps)])
     pristine, patched = (statistics.median(times[name]) for name in ("pristine", "patched"))
     print(
         f"\noptimizer.step(), NCCL world size 1, bf16/fp32/bf16 Linears {HIDDEN}x{HIDDEN}, "
@@ -192,11 +192,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="timed steps per round and tree")
     parser.add_argument("--rounds", type=int, default=3, help="step rounds; the trees alternate")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--step", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--step-time", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child:
-        if args.step:
+        if args.step_time:
             print(json.dumps(_measure_step(args.child, args.steps)))
         else:
             print(json.dumps(_measure(args.child, args.sizes, args.repeats)))
