@@ -108,11 +108,10 @@ def te_stand_in(te_modules: bool) -> Iterator[None]:
     `te_modules`: also expose it as `transformer_engine.pytorch.optimizers.FusedAdam` (which
     OptimizerConfig imports to validate use_precision_aware_optimizer). Restored on exit.
     """
-    from packaging.version import Version
-
     import megatron.core.optimizer as mcore_optimizer
     import megatron.core.optimizer.distrib_optimizer as mcore_distrib_optimizer
     import megatron.core.utils as mcore_utils
+    from packaging.version import Version
 
     modules: dict[str, types.ModuleType] = {}
     if te_modules:

@@ -29,7 +29,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from megatron.core.transformer.module import MegatronModule
 
 ENCODER = "images"
@@ -89,12 +88,11 @@ def _pg_collection(grid: Any) -> Any:
 def _build(rank: int) -> tuple[Any, Any, torch.nn.Module]:
     """MimoModel (encoder grid on rank 0, LLM grid on rank 1), its DDP module on this rank and
     the optimizer from get_mimo_optimizer."""
-    from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
-    from megatron.core.models.mimo.optimizer import get_mimo_optimizer
-
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.mimo.config.base_configs import MimoModelConfig
+    from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
     from megatron.core.models.mimo.model.base import MimoModel
+    from megatron.core.models.mimo.optimizer import get_mimo_optimizer
     from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
     from megatron.core.optimizer.optimizer_config import OptimizerConfig
     from megatron.core.transformer.spec_utils import ModuleSpec
