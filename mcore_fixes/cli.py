@@ -1,4 +1,4 @@
-"""Command line: `python -m mcore_fixes {vendor,apply,status,export,prove,test,info}`."""
+"""Command line: `python -m mcore_fixes VERB`; `--help` lists the verbs."""
 
 from __future__ import annotations
 
