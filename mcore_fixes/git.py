@@ -25,6 +25,24 @@ TOOL_IDENTITY = {
 TOOL_TREE_MARKER = "mcore-fixes-pin"
 NEUTRAL_CONFIG = {"GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
 
+# What the caller's environment may pass to git. Every other GIT_* variable is dropped: set by
+# a hook (`git commit` exports GIT_INDEX_FILE to pre-commit) or a shell, GIT_DIR, GIT_WORK_TREE,
+# GIT_INDEX_FILE, GIT_OBJECT_DIRECTORY, GIT_NAMESPACE, GIT_CONFIG_PARAMETERS/COUNT/KEY_n, ...
+# would point the tool's resets, cleans and commits at other directories, indexes or configs.
+# The user's checkout keeps the user's identity and choice of config files; the tool's own
+# trees keep nothing.
+USER_GIT_VARS = frozenset(
+    {
+        "GIT_AUTHOR_NAME",
+        "GIT_AUTHOR_EMAIL",
+        "GIT_COMMITTER_NAME",
+        "GIT_COMMITTER_EMAIL",
+        "GIT_CONFIG_GLOBAL",
+        "GIT_CONFIG_SYSTEM",
+        "GIT_CONFIG_NOSYSTEM",
+    }
+)
+
 # `git format-patch` options of the series: reproducible byte for byte.
 FORMAT_PATCH_ARGS = ("--zero-commit", "--no-signature", "-N", "--abbrev=12", "--stdout")
 
@@ -36,6 +54,19 @@ def git_exe() -> str:
     return exe
 
 
+def is_tool_tree(repo: Path) -> bool:
+    return (Path(repo) / ".git" / TOOL_TREE_MARKER).exists()
+
+
+def environment(repo: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a git command on `repo`: the caller's, minus what redirects git."""
+    tool_tree = is_tool_tree(repo)
+    keep = frozenset() if tool_tree else USER_GIT_VARS
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") or k in keep}
+    neutral = NEUTRAL_CONFIG if tool_tree else {}
+    return {**base, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", **neutral, **(env or {})}
+
+
 def run(
     repo: Path,
     *args: str,
@@ -44,12 +75,10 @@ def run(
     input: bytes | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run `git -C repo args...`; raise UserError with git's own message on failure."""
-    neutral = NEUTRAL_CONFIG if (Path(repo) / ".git" / TOOL_TREE_MARKER).exists() else {}
-    full_env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", **neutral, **(env or {})}
     proc = subprocess.run(
         [git_exe(), "-C", str(repo), *args],
         capture_output=True,
-        env=full_env,
+        env=environment(repo, env),
         input=input.decode() if input is not None else None,
         text=True,
     )

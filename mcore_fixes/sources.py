@@ -161,7 +161,11 @@ def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Pro
     progress.step(f"reading {b.ref} ({b.commit[:10]}) from {mcore_repo}")
     present = [p for p in GIT_PATHS if git.ok(mcore_repo, "cat-file", "-e", f"{b.commit}:{p}")]
     archive = ["-c", "core.autocrlf=false", "archive", "--format=tar", b.commit, *present]
-    proc = subprocess.run([git.git_exe(), "-C", str(mcore_repo), *archive], capture_output=True)
+    proc = subprocess.run(
+        [git.git_exe(), "-C", str(mcore_repo), *archive],
+        capture_output=True,
+        env=git.environment(mcore_repo),
+    )
     if proc.returncode != 0:
         raise UserError(f"git archive failed in {mcore_repo}: {proc.stderr.decode().strip()}")
     with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:

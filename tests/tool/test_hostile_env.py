@@ -1,0 +1,67 @@
+"""Git environment variables of the caller (a shell, a git hook) never redirect the tool's git."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from toolworld import MAIN, git, run_module, snapshot, tree_snapshot, write
+
+
+def hostile_env(victim, other_repo, tmp_path) -> dict[str, str]:
+    """Every variable that would point git at another work tree, index, repo, config."""
+    return {
+        **os.environ,
+        "GIT_DIR": str(other_repo / ".git"),
+        "GIT_WORK_TREE": str(victim),
+        "GIT_INDEX_FILE": str(tmp_path / "hook-index"),
+        "GIT_OBJECT_DIRECTORY": str(tmp_path / "objects"),
+        "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(tmp_path / "alt"),
+        "GIT_COMMON_DIR": str(other_repo / ".git"),
+        "GIT_NAMESPACE": "evil",
+        "GIT_CONFIG_COUNT": "1",
+        "GIT_CONFIG_KEY_0": "core.worktree",
+        "GIT_CONFIG_VALUE_0": str(victim),
+        "GIT_CONFIG_PARAMETERS": f"'core.hooksPath'='{tmp_path}'",
+        "GIT_CEILING_DIRECTORIES": "/",
+    }
+
+
+def test_status_vendor_apply_ignore_redirecting_git_vars(world, project, tmp_path):
+    victim = tmp_path / "victim"
+    write(victim, "precious.txt", "keep me\n")
+    other = world.clone(tmp_path / "other", "core_v0.1.0")
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    before_victim, before_other = tree_snapshot(victim), snapshot(other)
+    env = hostile_env(victim, other, tmp_path)
+
+    r = run_module(project, "status", "--json", env=env)
+    assert r.rc == 0, r.err
+    r = run_module(project, "vendor", env=env)
+    assert r.rc == 0, r.err
+    r = run_module(project, "apply", co, env=env)
+    assert r.rc == 0, r.err
+    assert r.out.count(": committed") == 3
+    assert git(co, "rev-list", "--count", "core_v0.1.0..HEAD").strip() == "3"
+
+    assert tree_snapshot(victim) == before_victim
+    assert snapshot(other) == before_other
+    assert not (tmp_path / "hook-index").exists() and not (tmp_path / "objects").exists()
+
+
+def test_status_from_a_pre_commit_hook_keeps_the_users_commit(world, project, tmp_path):
+    """`git commit -a` hands its own index to the hook (GIT_INDEX_FILE): status must not use it."""
+    repo = world.clone(tmp_path / "user", "core_v0.1.0")
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    hook.write_text(
+        f"#!/bin/sh\ncd {MAIN} && exec {sys.executable} -m mcore_fixes --root {project} "
+        "status --json >/dev/null\n"
+    )
+    hook.chmod(0o755)
+    (repo / "README.md").write_text("changed by the user\n")
+    git(repo, "commit", "-q", "-a", "-m", "user commit")
+    assert git(repo, "show", "HEAD:README.md") == "changed by the user\n"
+    assert git(repo, "show", "--stat", "--format=", "HEAD").split()[0] == "README.md"
+    assert git(repo, "status", "--porcelain").strip() == ""
+    for tree in (project / "build" / "trees").glob("[!.]*"):
+        assert git(tree, "status", "--porcelain").strip() == ""
