@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gzip
 import hashlib
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
@@ -62,38 +65,55 @@ def sdist_name(b: Baseline) -> str:
     return f"megatron_core-{b.version}.tar.gz"
 
 
+# 0.17+ sdists declare Requires-Python >=3.12; the tool may run on 3.11 (it only reads them).
+PIP_TARGET_PYTHON = "3.12"
+
+
 def fetch_sdist(b: Baseline, progress: Progress) -> Path:
-    """The verified sdist of a PyPI baseline, from the cache or downloaded with pip."""
+    """The verified sdist of a PyPI baseline, from the cache or downloaded with pip.
+
+    The cache is keyed by hash: `<cache>/sha256/<pin>/<name>`, plus `<cache>/<name>` where a
+    user placed it by hand. A file whose hash is not the pin is ignored, never deleted or
+    overwritten (another manifest may pin it). pip downloads in hash-checking mode, so it
+    refuses other bytes before it prepares (runs the build code of) anything.
+    """
     cache = cache_dir()
-    target = cache / sdist_name(b)
-    discarded = ""
-    if target.exists():
-        actual = sha256_of(target)
-        if actual == b.sha256:
-            return target
-        target.unlink()  # a corrupt cache entry is replaced, never trusted
-        discarded = f"the cached {target} had sha256 {actual}, not the pinned one; discarded. "
+    target = cache / "sha256" / b.sha256 / sdist_name(b)
+    ignored = ""
+    for candidate in (target, cache / sdist_name(b)):
+        if candidate.is_file():
+            actual = sha256_of(candidate)
+            if actual == b.sha256:
+                return candidate
+            ignored = f"the cached {candidate} has sha256 {actual}, not the pin; left alone. "
     cache.mkdir(parents=True, exist_ok=True)
     progress.step(f"downloading megatron-core=={b.version} sdist with pip")
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        requirements = Path(tmp) / "requirements.txt"
+        requirements.write_text(f"megatron-core=={b.version} --hash=sha256:{b.sha256}\n")
+        dest = Path(tmp) / "files"
         cmd = [*pip_command(), "download", "--no-deps", "--no-binary", ":all:", "-q"]
+        cmd += ["--python-version", PIP_TARGET_PYTHON, "--require-hashes"]
         proc = subprocess.run(
-            [*cmd, "-d", tmp, f"megatron-core=={b.version}"], capture_output=True, text=True
+            [*cmd, "-d", str(dest), "-r", str(requirements)], capture_output=True, text=True
         )
-        got = Path(tmp) / sdist_name(b)
-        if proc.returncode != 0 or not got.exists():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        got = dest / sdist_name(b)
+        output = proc.stderr + proc.stdout
+        if "DO NOT MATCH THE HASHES" in output:
+            m = re.search(r"Got\s+([0-9a-f]{64})", output)
             raise UserError(
-                f"{discarded}could not download megatron-core=={b.version} from the package "
+                f"{ignored}sha256 mismatch for {sdist_name(b)}: the package index serves "
+                f"{m.group(1) if m else 'other bytes'}, the manifest pins {b.sha256}; the "
+                "download was discarded before anything in it ran"
+            )
+        if proc.returncode != 0 or not got.is_file() or sha256_of(got) != b.sha256:
+            tail = output.strip().splitlines()[-3:]
+            raise UserError(
+                f"{ignored}could not download megatron-core=={b.version} from the package "
                 f"index (is it reachable?): {' / '.join(tail)}. Offline, place {sdist_name(b)} "
                 f"(sha256 {b.sha256}) in the cache {cache} (or set MCORE_FIXES_CACHE)."
             )
-        actual = sha256_of(got)
-        if actual != b.sha256:
-            raise UserError(
-                f"sha256 mismatch for {sdist_name(b)}: expected {b.sha256}, got {actual}; "
-                "the download was discarded"
-            )
+        target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(got, target)
     return target
 
@@ -146,8 +166,11 @@ def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Pro
     if b.source == "pypi":
         sdist = fetch_sdist(b, progress)
         progress.step(f"extracting {sdist.name}")
-        with tarfile.open(sdist, "r:gz") as tar:
-            safe_extract(tar, dest, strip=1, keep=("megatron/core", "pyproject.toml"))
+        try:
+            with tarfile.open(sdist, "r:gz") as tar:
+                safe_extract(tar, dest, strip=1, keep=("megatron/core", "pyproject.toml"))
+        except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
+            raise UserError(f"{sdist} is not a readable .tar.gz archive ({exc})") from None
         return b.sha256
     if mcore_repo is None:
         raise UserError(

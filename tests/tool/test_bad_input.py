@@ -11,7 +11,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from toolworld import git, run_module, snapshot, tree_snapshot, write
+from toolworld import git, run_module, sha256, snapshot, tree_snapshot, write
 
 from mcore_fixes.errors import UserError
 from mcore_fixes.sources import safe_extract
@@ -136,7 +136,7 @@ def test_patch_outside_megatron_and_tests(project, tool, world, tmp_path, path):
 
 
 @needs_pip
-def test_sha256_mismatch_in_cache_is_discarded_then_offline_fails(
+def test_sha256_mismatch_in_cache_is_left_alone_then_offline_fails(
     world, tool, tmp_path, monkeypatch
 ):
     cache = tmp_path / "cache"
@@ -148,13 +148,13 @@ def test_sha256_mismatch_in_cache_is_discarded_then_offline_fails(
     r = tool(project, "vendor")
     assert r.rc == 2
     msg = one_line(r.err)
-    assert "not the pinned one; discarded" in msg
+    assert "not the pin; left alone" in msg
     assert "could not download megatron-core==0.1.0" in msg
     assert f"place megatron_core-0.1.0.tar.gz (sha256 {world.sdist_sha}) in the cache" in msg
     assert "MCORE_FIXES_CACHE" in msg
-    assert not bad.exists()
+    assert bad.read_bytes() == b"not the pinned sdist"  # another manifest may pin it
     assert not (project / "megatron").exists()
-    assert list(cache.iterdir()) == []  # no temporary download directory left behind
+    assert tree_snapshot(cache) == {"megatron_core-0.1.0.tar.gz": sha256(bad)}  # no temp left
 
 
 @needs_pip
@@ -180,12 +180,13 @@ def test_download_through_pip_and_sha256_check(world, tool, tmp_path, monkeypatc
     assert r.rc == 2
     msg = one_line(r.err)
     assert "sha256 mismatch for megatron_core-0.1.0.tar.gz" in msg and "discarded" in msg
-    assert not (cache / sdist.name).exists() and not (project / "megatron").exists()
+    assert sha256(links / sdist.name) in msg
+    assert tree_snapshot(cache) == {} and not (project / "megatron").exists()
 
     shutil.copy(sdist, links / sdist.name)
     r = tool(project, "vendor")
     assert r.rc == 0, r.err
-    assert (cache / sdist.name).read_bytes() == sdist.read_bytes()
+    assert (cache / "sha256" / world.sdist_sha / sdist.name).read_bytes() == sdist.read_bytes()
     assert (project / "megatron/core/calc.py").exists()
 
 
