@@ -123,8 +123,9 @@ def test_download_of_an_sdist_requiring_python_3_12(world, tmp_path, monkeypatch
     with tarfile.open(world.cache / SDIST) as tar:
         pyproject = tar.extractfile("megatron_core-0.1.0/pyproject.toml").read().decode()
         info = tar.extractfile("megatron_core-0.1.0/megatron/core/package_info.py").read()
-    pyproject = pyproject.replace('name = "megatron-core"', 'name = "megatron-core"\n'
-                                  'requires-python = ">=3.12"')
+    pyproject = pyproject.replace(
+        'name = "megatron-core"', 'name = "megatron-core"\nrequires-python = ">=3.12"'
+    )
     replace = {
         "pyproject.toml": pyproject.encode(),
         "megatron/core/package_info.py": info.replace(b"MINOR = 1", b"MINOR = 9"),
