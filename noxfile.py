@@ -68,7 +68,15 @@ def tool(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """Our code with ruff; the patched files with upstream's black/isort settings."""
     session.install("ruff", *UPSTREAM_BLACK)
-    ours = ("mcore_fixes", "tests/tool", "tests/multigpu", "noxfile.py", "setup.py", "bench")
+    ours = (
+        "mcore_fixes",
+        "tests/tool",
+        "tests/proofs",
+        "tests/multigpu",
+        "noxfile.py",
+        "setup.py",
+        "bench",
+    )
     session.run("ruff", "check", *ours)
     session.run("ruff", "format", "--check", *ours)
     session.run("python", "-m", "mcore_fixes", "lint-patches")

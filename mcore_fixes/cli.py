@@ -16,7 +16,7 @@ from . import manifest as manifest_mod
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .prove import attach_proofs, prove_baseline, pytest_command
+from .prove import Runs, attach_proofs, prove_baseline, pytest_command
 from .series import SKIPPED, Cell, apply_series, read_patch, test_files
 from .vendor import INFO_NAME, export, vendor, vendored_baseline
 
@@ -130,13 +130,15 @@ def cmd_prove(args: argparse.Namespace) -> int:
     for patch_id in args.patch or []:
         m.patch(patch_id)
     cells: list[Cell] = []
+    runs = Runs()
     for b in _selected(m, args.baseline):
         tree = _tree_or_skip(args, b, progress)
         if isinstance(tree, str):
             print(f"baseline {b.name} skipped: {tree}", file=sys.stderr)
             cells += [Cell(p.id, b.name, SKIPPED, detail=tree) for p in m.patches]
             continue
-        cells += prove_baseline(args.root, m, b, tree, args.python, args.patch, progress)
+        cells += prove_baseline(args.root, m, b, tree, args.python, args.patch, progress, runs)
+    print(runs.summary(), file=sys.stderr)
     print(report.markdown(m, cells) if args.markdown else report.table(m, cells))
     bad = [c for c in cells if c.proof and c.proof.get("verdict") != "proven"]
     return 1 if bad else 0

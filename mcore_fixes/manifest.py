@@ -17,8 +17,9 @@ COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 class Patch:
     id: str
     file: str
-    fix: int
+    fix: int  # several patches may share one fix number (one upstream PR, several commits)
     requires: tuple[str, ...] = ()
+    proof: str = ""  # our CPU proof, relative to the project root (tests/proofs/...)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class Manifest:
             return None
         return self.root / baseline.variants.get(patch.id, patch.file)
 
+    def proof_path(self, patch: Patch) -> Path | None:
+        """Our CPU proof of `patch` (absolute), or None: prove then uses the patch's tests."""
+        return self.root.parent / patch.proof if patch.proof else None
+
 
 def _str_list(value: object) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -81,6 +86,21 @@ def _rel_file(value: object) -> str:
     """A patch file name relative to patches/, never leaving it."""
     if not isinstance(value, str) or not value or value.startswith("/") or ".." in value.split("/"):
         raise ValueError(f"patch file {value!r} must be a relative path inside patches/")
+    return value
+
+
+def _proof_file(value: object) -> str:
+    """A proof file relative to the project root, under tests/, never leaving the project."""
+    if value is None or value == "":
+        return ""
+    if (
+        not isinstance(value, str)
+        or value.startswith("/")
+        or ".." in value.split("/")
+        or not value.startswith("tests/")
+        or not value.endswith(".py")
+    ):
+        raise ValueError(f"proof {value!r} must be a relative path tests/....py in this project")
     return value
 
 
@@ -106,6 +126,7 @@ def load(path: Path) -> Manifest:
                 file=_rel_file(entry["file"]),
                 fix=int(entry["fix"]),
                 requires=tuple(_str_list(entry.get("requires", []))),
+                proof=_proof_file(entry.get("proof")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path}: [[patch]] entry {entry!r} is incomplete ({exc})") from None

@@ -1,4 +1,14 @@
-"""`prove`: each patch's regression test must fail on the tree without the fix and pass with it."""
+"""`prove`: each patch must fail its proof on the tree just before it and pass right after it.
+
+A patch's proof is our CPU proof file (manifest key `proof`, under tests/proofs/), run against
+the tree with cwd = the tree and PYTHONPATH = the tree. A patch without one is proven with the
+tests/ files it carries (applied to the tree without the fix for the `before` run).
+
+One pytest process per tree state: the `after` proof of patch k and the `before` proof of patch
+k+1 run on the same commit, so they share one interpreter start and one `import megatron.core`;
+outcomes per file come from `--junitxml`. A process that dies without a report (a crash) is
+retried one file at a time, so one bad file never hides the others' results.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,10 @@ import json
 import os
 import re
 import subprocess
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import git
@@ -18,6 +32,7 @@ from .series import APPLIES, Cell, apply_series, diff_sha256, read_patch, test_f
 
 PROOFS_DIR = Path("build") / "proofs"
 _SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?|skipped|deselected)\b|no tests ran")
+TIMEOUT = 900
 
 
 def pytest_command(python: str, files: list[str]) -> list[str]:
@@ -51,33 +66,127 @@ def check_python(python: str) -> None:
         raise UserError(f"--python {python}: `-m pytest` does not run there ({last})")
 
 
+def _env(tree: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+
+
 def run_tests(tree: Path, files: list[str], python: str) -> dict:
     """Run `files` with the tree on PYTHONPATH; outcome is passed / failed / error / no-tests."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
     try:
         proc = subprocess.run(
             pytest_command(python, files),
             cwd=tree,
-            env=env,
+            env=_env(tree),
             capture_output=True,
             text=True,
-            timeout=900,
+            timeout=TIMEOUT,
         )
     except subprocess.TimeoutExpired:
-        return {"outcome": "error", "rc": None, "summary": "timed out after 900 s"}
+        return {"outcome": "error", "rc": None, "summary": f"timed out after {TIMEOUT} s"}
     lines = [ln.strip("= ") for ln in proc.stdout.splitlines() if _SUMMARY.search(ln)]
     summary = lines[-1] if lines else (proc.stderr.strip().splitlines() or [""])[-1]
     outcome = {0: "passed", 1: "failed", 5: "no-tests"}.get(proc.returncode, "error")
     return {"outcome": outcome, "rc": proc.returncode, "summary": summary}
 
 
-def verdict(before: dict, after: dict) -> str:
+@dataclass
+class Runs:
+    """What the pytest processes of a prove run cost (for the CI floor in docs/evidence.md)."""
+
+    processes: int = 0
+    seconds: float = 0.0
+    files: int = 0
+    log: list[dict] = field(default_factory=list)
+    legacy: int = 0  # processes of patches without a proof (their carried tests)
+
+    def summary(self) -> str:
+        total = self.processes + self.legacy
+        return (
+            f"prove: {total} pytest processes ({self.processes} for our proofs: "
+            f"{self.files} proof runs, {self.seconds:.1f} s)"
+        )
+
+
+def _file_results(junit: Path, root: Path, files: list[str]) -> dict[str, dict]:
+    """Per proof file (absolute path): outcome and summary, from a pytest junit XML report."""
+    counts: dict[str, dict[str, int]] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        rel = case.get("file") or ""
+        path = str((root / rel).resolve()) if rel else ""
+        c = counts.setdefault(path, {"failed": 0, "passed": 0, "skipped": 0, "collect": 0})
+        kinds = {child.tag for child in case}
+        if "error" in kinds and not case.get("classname"):
+            c["collect"] += 1  # the module did not import
+        elif kinds & {"failure", "error"}:
+            c["failed"] += 1
+        elif "skipped" in kinds:
+            c["skipped"] += 1
+        else:
+            c["passed"] += 1
+    results: dict[str, dict] = {}
+    for f in files:
+        c = counts.get(str(Path(f).resolve()))
+        if c is None:
+            continue
+        parts = [f"{n} {k}" for k, n in c.items() if n and k != "collect"]
+        if c["collect"]:
+            outcome, parts = "error", ["does not import (collection error)"]
+        elif c["failed"]:
+            outcome = "failed"
+        elif c["passed"]:
+            outcome = "passed"
+        else:
+            outcome = "no-tests"
+        results[f] = {"outcome": outcome, "summary": ", ".join(parts) or "no tests ran"}
+    return results
+
+
+def run_proofs(tree: Path, files: list[str], python: str, root: Path, runs: Runs) -> dict:
+    """Run proof `files` (absolute) in one pytest process on `tree`; a result per file."""
+    with tempfile.TemporaryDirectory(prefix="mcore-fixes-junit.") as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = pytest_command(python, files)
+        cmd[3:3] = [
+            "--continue-on-collection-errors",
+            f"--rootdir={root}",
+            "-o",
+            "junit_family=xunit1",
+            f"--junitxml={junit}",
+        ]
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(
+                cmd, cwd=tree, env=_env(tree), capture_output=True, text=True, timeout=TIMEOUT
+            )
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+        took = time.monotonic() - start
+        runs.processes += 1
+        runs.seconds += took
+        runs.files += len(files)
+        runs.log.append({"files": len(files), "seconds": round(took, 2), "rc": rc})
+        results = _file_results(junit, root, files) if junit.exists() else {}
+    missing = [f for f in files if f not in results]
+    if missing and len(files) > 1:  # the process died: each file alone, to tell which
+        for f in missing:
+            results |= run_proofs(tree, [f], python, root, runs)
+    for f in missing if len(files) == 1 else []:
+        why = f"timed out after {TIMEOUT} s" if rc is None else f"pytest died (exit {rc})"
+        results[f] = {"outcome": "error", "summary": why}
+    return results
+
+
+def verdict(before: dict, after: dict, strict: bool = False) -> str:
+    """`strict` (our proofs): a proof that does not import before the patch is not a proof."""
     if before["outcome"] == "passed":
         return "passes-unpatched"  # already fixed upstream, or a test that cannot fail
     if after["outcome"] != "passed":
         return "fails-patched"
-    if before["outcome"] in ("failed", "error"):
+    if before["outcome"] == "failed" or (before["outcome"] == "error" and not strict):
         return "proven"
+    if before["outcome"] == "error":
+        return "no-import-unpatched"
     return "no-proof"
 
 
@@ -94,19 +203,56 @@ def prove_baseline(
     python: str,
     only: list[str] | None,
     progress: Progress,
+    runs: Runs | None = None,
 ) -> list[Cell]:
     """Prove every applicable patch of `b` (or those in `only`); results go to build/proofs/."""
     check_python(python)
+    runs = runs if runs is not None else Runs()
     cells = apply_series(tree, manifest, b)
     head = git.out(tree, "rev-parse", "HEAD")
     store = load_proofs(root, b.name)
     keys = proof_keys(manifest, cells)
+    # Tree state (commit) -> proof files to run there, in series order.
+    plan: dict[str, list[str]] = {}
+    ours: list[tuple[Cell, str, str, str]] = []  # cell, proof file, before, after commit
+    legacy: list[Cell] = []
     for cell in cells:
         if cell.state != APPLIES or (only and cell.patch not in only):
             continue
+        proof = manifest.proof_path(manifest.patch(cell.patch))
+        if proof is None:
+            legacy.append(cell)
+            continue
+        if not proof.is_file():
+            cell.proof = {"verdict": "no-proof-file", "tests": [_rel(root, proof)]}
+            continue
+        parent = git.out(tree, "rev-parse", f"{cell.commit}^")
+        for state in (parent, cell.commit):
+            files = plan.setdefault(state, [])
+            if str(proof) not in files:
+                files.append(str(proof))
+        ours.append((cell, str(proof), parent, cell.commit))
+
+    results: dict[tuple[str, str], dict] = {}
+    for state, files in plan.items():
+        _checkout(tree, state)
+        names = ", ".join(Path(f).stem for f in files)
+        progress.step(f"{b.name} @ {_label(cells, state)}: {names}")
+        for f, result in run_proofs(tree, files, python, root, runs).items():
+            results[(state, f)] = result
+    for cell, proof, parent, commit in ours:
+        before, after = results[(parent, proof)], results[(commit, proof)]
+        cell.proof = {
+            "verdict": verdict(before, after, strict=True),
+            "before": before,
+            "after": after,
+            "tests": [_rel(root, Path(proof))],
+        }
+
+    for cell in legacy:
         path = manifest.root / cell.file
         tests = test_files(read_patch(path))
-        if not tests:
+        if not tests or cell.excluded:  # no test, or its tests edit files this tree lacks
             cell.proof = {"verdict": "no-test"}
         else:
             _checkout(tree, f"{cell.commit}^")
@@ -116,9 +262,13 @@ def prove_baseline(
             _checkout(tree, cell.commit)
             progress.step(f"{b.name} {cell.patch}: tests with the fix")
             after = run_tests(tree, tests, python)
+            runs.legacy += 2
             cell.proof = {"verdict": verdict(before, after), "before": before, "after": after}
-        cell.proof |= {"key": keys[cell.patch], "pin": b.pin, "tests": tests}
-        store[cell.patch] = cell.proof
+            cell.proof["tests"] = tests
+    for cell in cells:
+        if cell.proof:
+            cell.proof |= {"key": keys.get(cell.patch, ""), "pin": b.pin}
+            store[cell.patch] = cell.proof
     _checkout(tree, head)
     out = root / PROOFS_DIR / f"{b.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -126,8 +276,33 @@ def prove_baseline(
     return cells
 
 
+def _rel(root: Path, path: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _label(cells: list[Cell], commit: str) -> str:
+    for cell in cells:
+        if cell.commit == commit:
+            return f"after {cell.patch}"
+    return "pristine"
+
+
+def _proof_sha(manifest: Manifest, patch_id: str) -> str:
+    """The proof file and the shared helpers next to it (`_*.py`): a proof is also its code."""
+    proof = manifest.proof_path(manifest.patch(patch_id))
+    if proof is None or not proof.is_file():
+        return ""
+    h = hashlib.sha256(proof.read_bytes())
+    for helper in sorted(proof.parent.glob("_*.py")):
+        h.update(helper.name.encode() + b"\0" + helper.read_bytes())
+    return h.hexdigest()
+
+
 def proof_keys(manifest: Manifest, cells: list[Cell]) -> dict[str, str]:
-    """Per applied patch, a hash of its diff and of the diffs applied before it.
+    """Per applied patch, a hash of its diff, the diffs applied before it, and its proof code.
 
     A proof depends on the code it ran on: the messages of the patches do not count.
     """
@@ -136,7 +311,8 @@ def proof_keys(manifest: Manifest, cells: list[Cell]) -> dict[str, str]:
     for cell in cells:
         if cell.state == APPLIES:
             running.update(diff_sha256(manifest.root / cell.file).encode())
-            keys[cell.patch] = running.hexdigest()
+            own = hashlib.sha256(running.digest() + _proof_sha(manifest, cell.patch).encode())
+            keys[cell.patch] = own.hexdigest()
     return keys
 
 

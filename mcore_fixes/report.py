@@ -13,6 +13,8 @@ _PROOF_MARK = {
     "fails-patched": "TEST FAILS PATCHED",
     "no-test": "no test",
     "no-proof": "unproven",
+    "no-import-unpatched": "PROOF DOES NOT IMPORT UNPATCHED",
+    "no-proof-file": "PROOF FILE MISSING",
 }
 
 

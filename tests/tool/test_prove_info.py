@@ -18,13 +18,14 @@ def test_prove_proven(project, tool):
     assert r.rc == 0, r.out + r.err
     row = next(ln for ln in r.out.splitlines() if ln.startswith("0.1.0 "))
     assert "applies, proven" in row
-    assert "0.1.0 / join-sep: unpatched failed (1 failed" in r.out
-    assert "patched passed (1 passed" in r.out
+    # Our proof (manifest `proof`): one failing case unpatched, every case passes patched.
+    assert "0.1.0 / join-sep: unpatched failed (1 failed, 1 passed)" in r.out
+    assert "patched passed (2 passed)" in r.out
     store = json.loads((project / "build/proofs/0.1.0.json").read_text())
     assert set(store) == {"join-sep"}
     proof = store["join-sep"]
     assert proof["verdict"] == "proven"
-    assert proof["tests"] == ["tests/unit_tests/test_join.py"]
+    assert proof["tests"] == ["tests/proofs/test_join_sep.py"]
     assert proof["before"]["outcome"] == "failed" and proof["after"]["outcome"] == "passed"
 
     # status shows the stored proof while patch file and pin are unchanged ...

@@ -115,7 +115,7 @@ def test_vendor_conflicting_series_vendors_nothing(world, project, tool):
     assert "does not apply to core_v0.3.0, nothing vendored" in r.err
     assert "join-sep: conflict" in r.err and "megatron/core/util.py" in r.err
     assert not (project / "megatron").exists()
-    assert not (project / "tests").exists()
+    assert not (project / "tests/unit_tests").exists()
 
     # An existing vendored tree survives a refused re-vendor.
     assert tool(project, "vendor").rc == 0

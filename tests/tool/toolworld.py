@@ -74,6 +74,30 @@ PATCH_FILES = {
     "join-sep": "0002-join-sep.patch",
     "weak-test": "0003-weak-test.patch",
 }
+# Our CPU proofs (manifest key `proof`), in the project's tests/proofs/; weak-test has none, so
+# prove falls back to the test file its patch carries.
+PROOF_FILES = {
+    "fix-mean": "tests/proofs/test_fix_mean.py",
+    "join-sep": "tests/proofs/test_join_sep.py",
+}
+PROOFS = {
+    "fix-mean": """from megatron.core.calc import mean
+
+
+def test_mean_of_three():
+    assert mean([1, 2, 3]) == 2
+""",
+    "join-sep": """from megatron.core.util import join_names
+
+
+def test_join_with_separator():
+    assert join_names(["a", "b"], sep="-") == "a-b"
+
+
+def test_default_separator_unchanged():  # compatibility: passes with and without the patch
+    assert join_names(["a", "b"]) == "a,b"
+""",
+}
 TEST_FILES = {
     "fix-mean": "tests/unit_tests/test_mean.py",
     "join-sep": "tests/unit_tests/test_join.py",
@@ -261,12 +285,14 @@ default = "0.1.0"
 id = "fix-mean"
 file = "{PATCH_FILES["fix-mean"]}"
 fix = 1
+proof = "{PROOF_FILES["fix-mean"]}"
 
 [[patch]]
 id = "join-sep"
 file = "{PATCH_FILES["join-sep"]}"
 fix = 2
 requires = ["fix-mean"]
+proof = "{PROOF_FILES["join-sep"]}"
 
 [[patch]]
 id = "weak-test"
@@ -429,6 +455,8 @@ def build_world(base: Path) -> World:
 
     (patches / "manifest.toml").write_text(manifest_text(commits, sdist_sha))
     template = patches.parent
+    for pid, rel in PROOF_FILES.items():
+        write(template, rel, PROOFS[pid])
     # Pre-build every pristine tree once; tests copy them with the project.
     with contextlib.redirect_stdout(io.StringIO()):
         rc = cli.main(["--root", str(template), "status", "--mcore-repo", str(up)])
