@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
-import tempfile
+import shutil
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
-from . import git
+from . import git, sources
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
+from .progress import Progress
 from .series import conflict_detail, read_patch
 
 _VERSION_FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.M)
@@ -55,34 +60,125 @@ def detect_baseline(manifest: Manifest, checkout: Path) -> tuple[Baseline, str]:
     )
 
 
+STATE_DIR = "mcore-fixes"  # inside the checkout's git dir: scratch index and journal
+JOURNAL = "apply.json"  # {"orig": HEAD before, "new": HEAD after}, while the checkout moves
+Todo = list[tuple[str, Path, str]]  # (patch id, patch file, its text)
+
+
 def apply(manifest: Manifest, checkout: Path, b: Baseline, commit: bool) -> list[tuple[str, str]]:
     """Apply every patch of `b` not yet present; return (patch id, what happened) per patch.
 
     Everything is checked before anything is written: a dirty touched file, staged changes
     (commit mode), an operation in progress or a conflict refuses with the checkout untouched.
+    The commits are built as objects first (scratch index, `commit-tree`); the checkout then
+    moves in one step (`read-tree -m -u`, `update-ref`), journaled, with SIGINT/SIGTERM held:
+    an interrupted run is completed or undone by the next one. Runs are serialized per work
+    tree (a lock on its git dir, like the project lock).
     """
-    for marker in ("rebase-apply", "rebase-merge", "MERGE_HEAD"):
-        if (checkout / git.out(checkout, "rev-parse", "--git-path", marker)).exists():
-            raise CheckFailed(f"{checkout}: a git am/rebase/merge is in progress; finish it first")
+    gitdir = Path(git.out(checkout, "rev-parse", "--absolute-git-dir"))
+    for path in (gitdir, checkout):
+        if not os.access(path, os.W_OK):
+            raise UserError(f"{path} is not writable: cannot apply the series to {checkout}")
+    with sources.project_lock(gitdir, Progress(enabled=True)):
+        state = gitdir / STATE_DIR
+        recovered = _recover(checkout, state)
+        state.mkdir(exist_ok=True)
+        try:
+            report = _apply(manifest, checkout, b, commit, state)
+        finally:
+            if not (state / JOURNAL).exists():
+                shutil.rmtree(state, ignore_errors=True)
+    return ([("(recovery)", recovered)] if recovered else []) + report
 
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT/SIGTERM/SIGHUP wait (for git's children too) until the block is done."""
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        while signal.sigtimedwait(held, 0) is not None:  # the run is complete: drop them
+            pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _recover(checkout: Path, state: Path) -> str:
+    """Finish (or find undone) an apply that was killed while moving the checkout."""
+    journal = state / JOURNAL
+    if not journal.exists():
+        shutil.rmtree(state, ignore_errors=True)  # a scratch index of a killed check
+        return ""
+    try:
+        record = json.loads(journal.read_text())
+        orig, new = record["orig"], record["new"]
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{journal}: unreadable journal of an interrupted apply") from None
+    head = git.out(checkout, "rev-parse", "HEAD")
+    index_tree = git.run(checkout, "write-tree", check=False).stdout.strip()
+    new_tree = git.out(checkout, "rev-parse", f"{new}^{{tree}}")
+    what = "an interrupted apply was undone before it changed anything"
+    with _signals_held():
+        if head == orig and index_tree == new_tree:
+            git.run(checkout, "update-ref", "-m", "mcore_fixes apply", "HEAD", new, orig)
+            what = "an interrupted apply was completed"
+        elif head == new and index_tree != new_tree:
+            git.run(checkout, "read-tree", "-m", "-u", orig, new)
+            what = "an interrupted apply was completed"
+        elif head == new:
+            what = "an interrupted apply had completed"
+        journal.unlink()
+    shutil.rmtree(state, ignore_errors=True)
+    return what
+
+
+def _apply(
+    manifest: Manifest, checkout: Path, b: Baseline, commit: bool, state: Path
+) -> list[tuple[str, str]]:
+    for marker in ("rebase-apply", "rebase-merge", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD"):
+        if (checkout / git.out(checkout, "rev-parse", "--git-path", marker)).exists():
+            raise CheckFailed(
+                f"{checkout}: a git am/rebase/merge/cherry-pick/revert is in progress; "
+                "finish or abort it first"
+            )
+
+    # Classify each patch against HEAD in a scratch index: the checkout is not touched.
+    orig = git.out(checkout, "rev-parse", "HEAD")
+    env = {"GIT_INDEX_FILE": str(state / "index")}
+    git.run(checkout, "read-tree", orig, env=env)
     report: list[tuple[str, str]] = []
-    todo: list[tuple[str, Path, str]] = []
+    todo: Todo = []
     for p in manifest.patches:
         path = manifest.patch_file(b, p)
         if path is None:
             report.append((p.id, f"absent on {b.name}: {b.absent[p.id]}"))
             continue
         text = read_patch(path)
-        if git.ok(checkout, "apply", "-R", "--check", str(path)):
+        if not todo and git.ok(checkout, "apply", "--cached", "-R", "--check", str(path), env=env):
             report.append((p.id, "already applied"))
             continue
+        proc = git.run(checkout, "apply", "--cached", str(path), check=False, env=env)
+        if proc.returncode != 0:
+            raise CheckFailed(
+                f"patch {p.id} ({path.name}) {conflict_detail(proc.stderr)}; "
+                f"{checkout} was left unchanged"
+            )
         todo.append((p.id, path, text))
     if not todo:
         return report
 
+    files = [str(path) for _, path, _ in todo]
     touched = sorted({t for _, _, text in todo for t in git.touched_paths(text)})
-    dirty = git.out(checkout, "status", "--porcelain", "--", *touched)
+    dirty = git.out(checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched)
     if dirty:
+        if git.ok(checkout, "apply", "--index", "-R", "--check", *files):
+            if not commit:
+                return _ordered(manifest, report, todo, "already applied (staged, not committed)")
+            raise CheckFailed(
+                f"{checkout}: the series is applied but not committed (apply --no-commit?): "
+                "`git commit` it, or discard it (`git reset --hard`), then run again"
+            )
         raise CheckFailed(
             f"{checkout} has uncommitted changes in files the series touches; commit or stash "
             f"them first (nothing was changed):\n{dirty}"
@@ -90,35 +186,65 @@ def apply(manifest: Manifest, checkout: Path, b: Baseline, commit: bool) -> list
     if commit and not git.ok(checkout, "diff", "--cached", "--quiet"):
         raise CheckFailed(f"{checkout} has staged changes; commit or unstage them first")
 
-    # Check the whole series in order against a scratch index: the checkout is not touched.
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
-        git.run(checkout, "read-tree", "HEAD", env=env)
-        for patch_id, path, _ in todo:
-            proc = git.run(checkout, "apply", "--cached", str(path), check=False, env=env)
-            if proc.returncode != 0:
-                raise CheckFailed(
-                    f"patch {patch_id} ({path.name}) {conflict_detail(proc.stderr)}; "
-                    f"{checkout} was left unchanged"
-                )
-
-    files = [str(path) for _, path, _ in todo]
-    if commit:
-        env = {} if git.ok(checkout, "var", "GIT_COMMITTER_IDENT") else git.TOOL_IDENTITY
-        proc = git.run(checkout, "am", "-q", "--keep-cr", *files, check=False, env=env)
+    if not commit:
+        with _signals_held():
+            proc = git.run(checkout, "apply", "--index", *files, check=False)
         if proc.returncode != 0:
-            git.run(checkout, "am", "--abort", check=False)
-            raise CheckFailed(f"git am failed, checkout restored: {proc.stderr.strip()}")
-    else:
-        done: list[str] = []
-        for f in files:
-            proc = git.run(checkout, "apply", f, check=False)
-            if proc.returncode != 0:
-                for g in reversed(done):
-                    git.run(checkout, "apply", "-R", g, check=False)
-                raise CheckFailed(f"git apply failed, checkout restored: {proc.stderr.strip()}")
-            done.append(f)
-    how = "committed" if commit else "applied to the work tree (not committed)"
-    report.extend((patch_id, how) for patch_id, _, _ in todo)
+            raise CheckFailed(f"git apply failed, {checkout} left unchanged: {proc.stderr.strip()}")
+        return _ordered(manifest, report, todo, "staged in the index and work tree (not committed)")
+
+    new = _commit_chain(checkout, orig, todo, state)
+    (state / JOURNAL).write_text(json.dumps({"orig": orig, "new": new}) + "\n")
+    with _signals_held():
+        proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
+        if proc.returncode == 0:
+            ref = git.run(
+                checkout, "update-ref", "-m", "mcore_fixes apply", "HEAD", new, orig, check=False
+            )
+            if ref.returncode != 0:  # HEAD moved meanwhile: put the files back
+                git.run(checkout, "read-tree", "-m", "-u", new, orig, check=False)
+                proc = ref
+        (state / JOURNAL).unlink()
+    if proc.returncode != 0:
+        raise CheckFailed(f"{checkout} left unchanged: git failed: {proc.stderr.strip()}")
+    return _ordered(manifest, report, todo, "committed")
+
+
+def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
+    """One commit object per patch (author, date and message as `git am` takes them)."""
+    identity = {} if git.ok(checkout, "var", "GIT_COMMITTER_IDENT") else git.TOOL_IDENTITY
+    index = {"GIT_INDEX_FILE": str(state / "index")}
+    git.run(checkout, "read-tree", parent, env=index)
+    for _, path, text in todo:
+        msg = state / "msg"
+        info = git.run(
+            checkout, "mailinfo", "-u", str(msg), os.devnull, env=index, input=text.encode()
+        ).stdout
+        fields = dict(line.split(": ", 1) for line in info.splitlines() if ": " in line)
+        body = f"{fields.get('Subject', '')}\n\n{msg.read_text(encoding='utf-8')}"
+        message = git.run(checkout, "stripspace", input=body.encode()).stdout
+        git.run(checkout, "apply", "--cached", str(path), env=index)
+        tree = git.out(checkout, "write-tree", env=index)
+        author = {
+            "GIT_AUTHOR_NAME": fields.get("Author", ""),
+            "GIT_AUTHOR_EMAIL": fields.get("Email", ""),
+            "GIT_AUTHOR_DATE": fields.get("Date", ""),
+        }
+        parent = git.run(
+            checkout,
+            "commit-tree",
+            tree,
+            "-p",
+            parent,
+            env={**identity, **author},
+            input=message.encode(),
+        ).stdout.strip()
+    return parent
+
+
+def _ordered(
+    manifest: Manifest, report: list[tuple[str, str]], todo: Todo, how: str
+) -> list[tuple[str, str]]:
+    report = report + [(patch_id, how) for patch_id, _, _ in todo]
     order = [p.id for p in manifest.patches]
     return sorted(report, key=lambda r: order.index(r[0]))

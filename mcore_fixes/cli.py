@@ -80,7 +80,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     results = checkout.apply(m, top, b, commit=not args.no_commit)
     for patch_id, what in results:
         print(f"  {patch_id}: {what}")
-    if all(what == "already applied" or what.startswith("absent") for _, what in results):
+    if all(what.startswith(("already applied", "absent")) for _, what in results):
         print("nothing to do: the series is already applied")
     return 0
 
@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"mcore_fixes: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:  # what was written is completed or undone (apply: next run)
+        print("mcore_fixes: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # e.g. `status | head`
         sys.stderr.close()
         return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,10 +112,16 @@ def has_upstream_tests(tree: Path) -> bool:
 
 
 def reset_to_pristine(tree: Path) -> None:
-    if (tree / ".git" / "rebase-apply").exists():
-        git.run(tree, "am", "--abort", check=False)
-    if (tree / ".git" / "rebase-merge").exists():  # an interrupted `export`
-        git.run(tree, "rebase", "--abort", check=False)
+    """Back to the `pristine` tag, whatever a killed run left (am/rebase state, lock files).
+
+    Only under the project lock (no other git runs in the tool's trees), so a lock file here
+    is stale: removing it is safe.
+    """
+    gitdir = tree / ".git"
+    for stale in ("rebase-apply", "rebase-merge"):  # an interrupted `git am` or `export`
+        shutil.rmtree(gitdir / stale, ignore_errors=True)
+    for lock in [*gitdir.glob("*.lock"), *(gitdir / "refs").rglob("*.lock")]:
+        lock.unlink(missing_ok=True)
     git.run(tree, "reset", "-q", "--hard", "pristine")
     git.run(tree, "clean", "-q", "-fdx")
 

@@ -198,9 +198,10 @@ def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Pro
 
 @contextlib.contextmanager
 def project_lock(root: Path, progress: Progress) -> Iterator[None]:
-    """Serialize runs of the tool that reset and check out the tree repositories of `root`.
+    """Serialize runs of the tool that reset and check out the tree repositories of `root`
+    (or, for `apply`, that move a checkout: `root` is its git dir).
 
-    The lock is taken on the project directory itself, so it creates no file.
+    The lock is taken on the directory itself, so it creates no file.
     """
     if not root.is_dir():
         raise UserError(f"project root {root} is not a directory")
@@ -229,6 +230,8 @@ def pristine_tree(b: Baseline, trees: Path, mcore_repo: Path | None, progress: P
         return tree
     pin = b.pin
     trees.mkdir(parents=True, exist_ok=True)
+    for stale in trees.glob(f".{b.name}.*"):  # left by a killed build (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{b.name}.", dir=trees))
     try:
         _materialize(b, tmp, mcore_repo, progress)

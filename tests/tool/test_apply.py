@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 from toolworld import AUTHORS, CALC_FIXED, SUBJECTS, TEST_FILES, git, snapshot, write
 
 
@@ -73,13 +76,24 @@ def test_apply_no_commit(world, project, tool, tmp_path):
     head = git(co, "rev-parse", "HEAD")
     r = tool(project, "apply", "--no-commit", co)
     assert r.rc == 0, r.err
-    assert "applied to the work tree (not committed)" in r.out
+    assert r.out.count("staged in the index and work tree (not committed)") == 3
     assert git(co, "rev-parse", "HEAD") == head
     status = git(co, "status", "--porcelain", "--untracked-files=all").splitlines()
-    assert " M megatron/core/calc.py" in status and " M megatron/core/util.py" in status
-    assert f"?? {TEST_FILES['fix-mean']}" in status
+    assert "M  megatron/core/calc.py" in status and "M  megatron/core/util.py" in status
+    assert f"A  {TEST_FILES['fix-mean']}" in status  # the new tests are tracked
     assert (co / "megatron/core/calc.py").read_text() == CALC_FIXED
+    before = snapshot(co)
     r = tool(project, "apply", "--no-commit", co)
+    assert r.rc == 0 and "nothing to do" in r.out
+    assert r.out.count("already applied (staged, not committed)") == 3
+
+    # A committing apply after --no-commit neither claims "already applied" nor commits.
+    r = tool(project, "apply", co)
+    assert r.rc == 1
+    assert "applied but not committed" in r.err and "git commit" in r.err
+    assert snapshot(co) == before
+    git(co, "commit", "-qm", "the series, squashed")
+    r = tool(project, "apply", co)
     assert r.rc == 0 and "nothing to do" in r.out
 
 
@@ -199,3 +213,27 @@ def test_apply_refuses_during_am_in_linked_worktree(world, project, tool, tmp_pa
     r = tool(project, "apply", wt)
     assert r.rc == 1 and "in progress" in r.err
     assert snapshot(wt) == before
+
+
+def test_apply_refuses_during_cherry_pick(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    (co / ".git" / "CHERRY_PICK_HEAD").write_text(git(co, "rev-parse", "HEAD"))
+    before = snapshot(co)
+    r = tool(project, "apply", co)
+    assert r.rc == 1 and "cherry-pick" in r.err and "in progress" in r.err
+    assert snapshot(co) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_apply_read_only_checkout(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    before = snapshot(co)
+    for path in [co, *co.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+    try:
+        r = tool(project, "apply", co)
+    finally:
+        for path in [co, *co.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+    assert r.rc == 2 and "is not writable" in r.err and "fix-mean" not in r.err
+    assert snapshot(co) == before

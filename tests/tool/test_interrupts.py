@@ -1,0 +1,177 @@
+"""Killed, interrupted and concurrent runs: completed or fully undone; the next run recovers.
+
+A `git` wrapper first on PATH stops the real tool (a subprocess) right before a chosen git
+command, so that it is killed (or sent SIGINT) exactly there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from toolworld import MAIN, git, run_module, snapshot
+
+GIT = shutil.which("git")
+# In Python, not sh: dash unblocks the signals it inherits, git does not.
+WRAPPER = f"""#!{sys.executable} -S
+import os, sys, time
+if f" {{os.environ['STOP_AT']}} " in f" {{' '.join(sys.argv[1:])}} ":
+    open(os.environ["REACHED"], "w").close()
+    time.sleep(float(os.environ["STOP_FOR"]))
+os.execv(os.environ["REAL_GIT"], ["git", *sys.argv[1:]])
+"""
+
+
+def wrapped_env(tmp_path: Path, stop_at: str, stop_for: int = 30) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "git").write_text(WRAPPER)
+    (bin_dir / "git").chmod(0o755)
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "REAL_GIT": GIT,
+        "STOP_AT": stop_at,
+        "STOP_FOR": str(stop_for),
+        "REACHED": str(tmp_path / f"reached-{stop_at.replace(' ', '_')}"),
+    }
+
+
+def start(root: Path, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "mcore_fixes", "--root", str(root), *map(str, args)],
+        cwd=MAIN,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: kill it and its git children
+    )
+
+
+def wait_reached(env: dict[str, str], proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while not Path(env["REACHED"]).exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never reached the stop"
+        time.sleep(0.02)
+
+
+def count(co: Path) -> int:
+    return int(git(co, "rev-list", "--count", "core_v0.1.0..HEAD"))
+
+
+def state_dir(co: Path) -> Path:
+    return Path(git(co, "rev-parse", "--absolute-git-dir").strip()) / "mcore-fixes"
+
+
+@pytest.mark.parametrize("stop_at", ["commit-tree", "read-tree -m -u", "update-ref"])
+def test_apply_killed_anywhere_is_undone_or_completed_by_the_next_run(
+    world, project, tmp_path, stop_at
+):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    before = snapshot(co)
+    env = wrapped_env(tmp_path, stop_at)
+    proc = start(project, "apply", co, env=env)
+    wait_reached(env, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    after_kill = snapshot(co)
+    if stop_at != "update-ref":
+        assert after_kill == before  # killed before the checkout moved: nothing happened
+    else:  # killed between the two steps: files and index moved, HEAD not yet
+        assert after_kill["head"] == before["head"] and count(co) == 0
+    for path in (co / ".git").rglob("*.lock"):
+        raise AssertionError(f"lock left: {path}")
+
+    r = run_module(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert count(co) == 3
+    assert git(co, "status", "--porcelain", "--untracked-files=all").strip() == ""
+    assert not state_dir(co).exists()
+    if stop_at == "update-ref":
+        assert "an interrupted apply was completed" in r.out
+        assert "nothing to do" not in r.out or r.out.count("already applied") == 3
+
+
+def test_apply_ctrl_c_in_the_critical_step_completes(world, project, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    env = wrapped_env(tmp_path, "read-tree -m -u", stop_for=1)
+    proc = start(project, "apply", co, env=env)
+    wait_reached(env, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and out.count(": committed") == 3
+    assert count(co) == 3 and git(co, "status", "--porcelain").strip() == ""
+    assert not state_dir(co).exists()
+
+
+def test_apply_ctrl_c_while_checking_changes_nothing(world, project, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    before = snapshot(co)
+    env = wrapped_env(tmp_path, "commit-tree")
+    proc = start(project, "apply", co, env=env)
+    wait_reached(env, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert err.strip() == "mcore_fixes: interrupted"
+    assert snapshot(co) == before
+    assert not state_dir(co).exists()
+
+
+def test_two_concurrent_applies(world, project, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    env = wrapped_env(tmp_path, "commit-tree", stop_for=1)
+    first = start(project, "apply", co, env=env)
+    wait_reached(env, first)
+    second = start(project, "apply", co, env={**env, "STOP_AT": "no-such-command"})
+    out2, err2 = second.communicate(timeout=60)
+    out1, err1 = first.communicate(timeout=60)
+    assert first.returncode == 0 and second.returncode == 0, err1 + err2
+    assert out1.count(": committed") == 3
+    assert "waiting for another mcore_fixes run" in err2
+    assert "nothing to do" in out2 and out2.count(": already applied") == 3
+    assert count(co) == 3 and git(co, "status", "--porcelain").strip() == ""
+
+
+def test_apply_without_identity_and_a_conflict_midway(world, project, tmp_path):
+    """No user.name/email anywhere and patch 2 of 3 conflicts: nothing committed, nothing left."""
+    co = world.clone(tmp_path / "co", "core_v0.3.0")
+    git(co, "checkout", "-q", "-B", "work", "core_v0.1.0")
+    util = co / "megatron/core/util.py"
+    util.write_text(util.read_text().replace("Join names", "Join the names"))
+    git(co, "commit", "-qam", "local change under join-sep")
+    before = snapshot(co)
+    empty = tmp_path / "empty-gitconfig"
+    empty.write_text("")
+    env = {**os.environ, "GIT_CONFIG_GLOBAL": str(empty), "HOME": str(tmp_path), "EMAIL": ""}
+    r = run_module(project, "apply", co, env=env)
+    assert r.rc == 1 and "join-sep" in r.err and "left unchanged" in r.err
+    assert snapshot(co) == before and not state_dir(co).exists()
+    assert not (co / ".git" / "rebase-apply").exists()
+
+
+def test_status_killed_inside_a_tree_recovers(world, project, tmp_path):
+    """A run killed in `git am` in build/trees leaves am state and locks: the next run copes."""
+    env = wrapped_env(tmp_path, "am")
+    proc = start(project, "status", "--baseline", "0.1.0", env=env)
+    wait_reached(env, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    tree = project / "build" / "trees" / "0.1.0"
+    (tree / ".git" / "rebase-apply").mkdir(exist_ok=True)
+    (tree / ".git" / "index.lock").write_text("")
+    (tree / ".git" / "refs" / "heads" / "main.lock").write_text("")
+    for args in (("status", "--baseline", "0.1.0"), ("vendor", "--force"), ("vendor",)):
+        r = run_module(project, *args)
+        assert r.rc == 0, r.err
+    assert not (tree / ".git" / "rebase-apply").exists()
+    assert not list((tree / ".git").glob("*.lock"))
