@@ -13,7 +13,13 @@ from . import git
 from .errors import UserError
 from .manifest import Baseline, Manifest, Patch
 
-ALLOWED_ROOTS = ("megatron/", "tests/")
+# megatron/ and upstream's unit tests; never tests/tool, tests/proofs, ... of this repository.
+ALLOWED_ROOTS = ("megatron/", "tests/unit_tests/")
+REGULAR_MODES = ("100644", "100755")  # no symlink (120000), no submodule (160000)
+_MODE_LINE = re.compile(
+    r"^(?:(?:new file|deleted file|old|new) mode|index [0-9a-f]+\.\.[0-9a-f]+) (\d+)$", re.M
+)
+_DIFFSTAT = re.compile(r"^ (\d+) files? changed", re.M)
 
 # Cell states.
 APPLIES = "applies"
@@ -50,6 +56,8 @@ def read_patch(path: Path) -> str:
         raise UserError(f"patch file not found: {path}") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not a text patch") from None
+    except OSError as exc:  # a directory, unreadable, ...
+        raise UserError(f"{path}: cannot read the patch file ({exc.strerror})") from None
     paths = git.touched_paths(text)
     if not paths:
         raise UserError(f"{path}: corrupt patch: no `diff --git` section found")
@@ -69,9 +77,22 @@ def read_patch(path: Path) -> str:
             paths.append(name)
     outside = [p for p in paths if not _in_scope(p)]
     if outside:
-        raise UserError(f"{path}: patch touches paths outside megatron/ and tests/: {outside}")
+        raise UserError(
+            f"{path}: patch touches paths outside megatron/ and tests/unit_tests/: {outside}"
+        )
+    diff = text[text.find("\ndiff --git ") :]
+    modes = sorted({m for m in _MODE_LINE.findall(diff) if m not in REGULAR_MODES})
+    if modes:
+        raise UserError(f"{path}: patch creates a symlink or submodule (mode {', '.join(modes)})")
     if not text.startswith("From ") or "\nSubject: " not in text:
         raise UserError(f"{path}: not a `git format-patch` file (no From/Subject header)")
+    stat_line = _DIFFSTAT.search(text[: len(text) - len(diff)])
+    sections = text.count("\ndiff --git ")
+    if stat_line and int(stat_line.group(1)) != sections:
+        raise UserError(
+            f"{path}: truncated patch: its diffstat lists {stat_line.group(1)} files, "
+            f"it has {sections} `diff --git` sections"
+        )
     return text
 
 

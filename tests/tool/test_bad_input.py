@@ -78,8 +78,29 @@ def _corrupt(project: Path, how: str) -> Path:
         patch.write_text(text[text.index("diff --git") :])
     elif how == "bad-hunk":
         patch.write_text(text.replace("@@ -1,9 +1,9 @@", "@@ -1,9 +1,99 @@"))
+    elif how == "cut-at-section":  # valid diff, but the test file's section is gone
+        patch.write_text(text[: text.index("diff --git a/tests/unit_tests/test_join.py")])
+    elif how == "symlink":
+        patch.write_text(text + SYMLINK_SECTION)
+    elif how == "tests-tool":  # would overwrite this repository's own tests when vendored
+        patch.write_text(text.replace("tests/unit_tests/test_join.py", "tests/tool/conftest.py"))
+    elif how == "directory":
+        patch.unlink()
+        patch.mkdir()
+        return patch
     assert patch.read_bytes() != text.encode()
     return patch
+
+
+SYMLINK_SECTION = """diff --git a/megatron/core/passwd b/megatron/core/passwd
+new file mode 120000
+index 000000000000..d2ac0bd2a3be
+--- /dev/null
++++ b/megatron/core/passwd
+@@ -0,0 +1 @@
++/etc/passwd
+\\ No newline at end of file
+"""
 
 
 @pytest.mark.parametrize(
@@ -90,6 +111,10 @@ def _corrupt(project: Path, how: str) -> Path:
         ("binary", "not a text patch"),
         ("no-header", "not a `git format-patch` file"),
         ("bad-hunk", "corrupt patch"),
+        ("cut-at-section", "truncated patch: its diffstat lists 2 files, it has 1"),
+        ("symlink", "creates a symlink or submodule (mode 120000)"),
+        ("tests-tool", "outside megatron/ and tests/unit_tests/: ['tests/tool/conftest.py']"),
+        ("directory", "cannot read the patch file (Is a directory)"),
     ],
 )
 def test_corrupt_patch(vendored, tool, world, tmp_path, how, words):
