@@ -41,7 +41,7 @@ os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
 def _install_torch_env(session: nox.Session, baseline: str) -> None:
     session.install(TORCH, *TEST_DEPS)
     b = MANIFEST.baselines[baseline]
-    if b.is_git and tuple(map(int, b.version.split(".")[:2])) >= (0, 18):
+    if tuple(map(int, b.version.split(".")[:2])) >= (0, 18):
         session.install("triton")
 
 

@@ -44,20 +44,89 @@ def package_version(checkout: Path) -> str:
 
 
 def detect_baseline(manifest: Manifest, checkout: Path) -> tuple[Baseline, str]:
-    """The baseline of a checkout: its pinned commit, else its package_info.py version."""
+    """The baseline of a checkout, and how it was found (said to the user).
+
+    In this order: HEAD is a baseline's pinned commit; HEAD's branch (or its upstream) is a
+    baseline's ref and HEAD descends from its pin; HEAD descends from pinned commits (the
+    nearest wins); the version in megatron/core/package_info.py, where a git baseline (it
+    carries upstream's tests) wins over a PyPI one, and a git baseline whose pin is in the
+    checkout but on another line of history never matches; last, HEAD is an older commit of a
+    pinned line. So main at any commit never takes the 0.19 variants for saying 0.19.1.
+    """
     head = git.out(checkout, "rev-parse", "HEAD")
-    for b in manifest.baselines.values():
-        if b.is_git and b.commit == head:
+    pinned = [b for b in manifest.baselines.values() if b.is_git]
+    for b in pinned:
+        if b.commit == head:
             return b, f"HEAD is the pinned commit of {b.name}"
+
+    after: list[tuple[int, Baseline]] = []
+    before: list[tuple[int, Baseline]] = []
+    unrelated: set[str] = set()
+    for b in pinned:
+        if not git.ok(checkout, "cat-file", "-e", f"{b.commit}^{{commit}}"):
+            continue  # e.g. a shallow clone: history cannot tell
+        if git.ok(checkout, "merge-base", "--is-ancestor", b.commit, head):
+            after.append((_count(checkout, f"{b.commit}..{head}"), b))
+        elif git.ok(checkout, "merge-base", "--is-ancestor", head, b.commit):
+            before.append((_count(checkout, f"{head}..{b.commit}"), b))
+        else:
+            unrelated.add(b.name)
+    branches = _branch_names(checkout)
+    for n, b in sorted(after, key=lambda t: t[0]):
+        if b.ref and b.ref in branches:
+            return b, f"branch {b.ref}, {n} commit(s) after the pinned commit of {b.name}"
+    if after:
+        n, b = min(after, key=lambda t: t[0])
+        return b, f"HEAD is {n} commit(s) after the pinned commit of {b.name}"
+
     version = package_version(checkout)
-    for b in manifest.baselines.values():
-        if b.version == version:
-            return b, f"megatron/core/package_info.py says {version}"
+    matches = [
+        b for b in manifest.baselines.values() if b.version == version and b.name not in unrelated
+    ]
+    if matches:
+        b = sorted(matches, key=lambda b: not b.is_git)[0]
+        return b, f"megatron/core/package_info.py says {version}; no pinned commit in its history"
+    if before:
+        n, b = min(before, key=lambda t: t[0])
+        return b, f"HEAD is {n} commit(s) before the pinned commit of {b.name}"
     known = ", ".join(f"{b.name} ({b.version})" for b in manifest.baselines.values())
     raise UserError(
         f"{checkout} (megatron-core {version}, HEAD {head[:10]}) matches no baseline of the "
         f"series; known: {known}. Pass --baseline NAME to choose one explicitly."
     )
+
+
+def check_override(manifest: Manifest, checkout: Path, chosen: Baseline) -> None:
+    """Refuse `--baseline` that contradicts the checkout's history: the wrong variants would
+    be committed silently (e.g. core_v0.19.0's on main's pinned commit)."""
+    try:
+        found, why = detect_baseline(manifest, checkout)
+    except UserError:  # nothing to contradict
+        return
+    if found.name == chosen.name or "package_info.py" in why:
+        return
+    files = {p.id: manifest.patch_file(found, p) for p in manifest.patches}
+    if all(manifest.patch_file(chosen, p) == files[p.id] for p in manifest.patches):
+        return  # the same patch files either way (e.g. a PyPI release and its git tag)
+    raise UserError(
+        f"--baseline {chosen.name} does not fit {checkout}: {why}, and {found.name} takes "
+        f"other patch files; pass --baseline {found.name} or leave --baseline out"
+    )
+
+
+def _count(checkout: Path, spec: str) -> int:
+    return int(git.out(checkout, "rev-list", "--count", spec))
+
+
+def _branch_names(checkout: Path) -> set[str]:
+    """HEAD's branch and its upstream, short and without the remote (`origin/dev` -> dev)."""
+    names: set[str] = set()
+    for spec in ("HEAD", "HEAD@{upstream}"):
+        proc = git.run(checkout, "rev-parse", "--abbrev-ref", spec, check=False)
+        name = proc.stdout.strip()
+        if proc.returncode == 0 and name and name != "HEAD":
+            names |= {name, name.split("/", 1)[-1]}
+    return names
 
 
 STATE_DIR = "mcore-fixes"  # inside the checkout's git dir: scratch index and journal
@@ -159,6 +228,9 @@ def _apply(
             report.append((p.id, "already applied"))
             continue
         proc = git.run(checkout, "apply", "--cached", str(path), check=False, env=env)
+        if proc.returncode != 0 and p.id in b.fixed_upstream:  # the rest of the series goes on
+            report.append((p.id, f"fixed upstream ({b.fixed_upstream[p.id]}), skipped"))
+            continue
         if proc.returncode != 0:
             raise CheckFailed(
                 f"patch {p.id} ({path.name}) {conflict_detail(proc.stderr)}; "

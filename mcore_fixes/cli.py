@@ -17,7 +17,7 @@ from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
 from .prove import Runs, attach_proofs, prove_baseline, pytest_command
-from .series import SKIPPED, Cell, apply_series, read_patch, test_files
+from .series import OK_STATES, SKIPPED, Cell, apply_series, read_patch, test_files
 from .vendor import INFO_NAME, export, vendor, vendored_baseline
 
 CLONE_ROOT = Path(__file__).resolve().parent.parent
@@ -74,13 +74,15 @@ def cmd_apply(args: argparse.Namespace) -> int:
     top = checkout.toplevel(Path(args.checkout).resolve())
     if args.baseline:
         b, why = m.baseline(args.baseline), "chosen with --baseline"
+        checkout.check_override(m, top, b)
     else:
         b, why = checkout.detect_baseline(m, top)
     print(f"{top}: baseline {b.name} ({why})")
     results = checkout.apply(m, top, b, commit=not args.no_commit)
     for patch_id, what in results:
         print(f"  {patch_id}: {what}")
-    if all(what.startswith(("already applied", "absent")) for _, what in results):
+    done = ("already applied", "absent", "fixed upstream")
+    if all(what.startswith(done) for _, what in results):
         print("nothing to do: the series is already applied")
     return 0
 
@@ -140,7 +142,8 @@ def cmd_prove(args: argparse.Namespace) -> int:
         cells += prove_baseline(args.root, m, b, tree, args.python, args.patch, progress, runs)
     print(runs.summary(), file=sys.stderr)
     print(report.markdown(m, cells) if args.markdown else report.table(m, cells))
-    bad = [c for c in cells if c.proof and c.proof.get("verdict") != "proven"]
+    fine = ("proven", "fixed-upstream", "fails-unpatched")  # the latter: a conflict, said so
+    bad = [c for c in cells if c.proof and c.proof.get("verdict") not in fine]
     return 1 if bad else 0
 
 
@@ -153,7 +156,7 @@ def cmd_test(args: argparse.Namespace) -> int:
         print(f"baseline {b.name} skipped: {tree}")
         return 0
     cells = apply_series(tree, m, b)
-    bad = [c for c in cells if c.state not in ("applies", "applied-upstream", "absent")]
+    bad = [c for c in cells if c.state not in (*OK_STATES, "absent")]
     if bad:
         raise CheckFailed(f"the series does not apply to {b.name}: {bad[0].patch}: {bad[0].detail}")
     files = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from .errors import UserError
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+PYTHON_RE = re.compile(r"^3\.\d+$")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -32,6 +34,10 @@ class Baseline:
     commit: str = ""  # git
     variants: dict[str, str] = field(default_factory=dict)
     absent: dict[str, str] = field(default_factory=dict)
+    # patch id -> where upstream fixed it its own way (DEP-3 Applied-Upstream: commit, PR)
+    fixed_upstream: dict[str, str] = field(default_factory=dict)
+    python: str = ""  # oldest Python a fork of this base installs on ("3.12"); "" = any
+    same_code_as: str = ""  # the baseline whose variants / absent / fixed-upstream it shares
 
     @property
     def is_git(self) -> bool:
@@ -42,14 +48,22 @@ class Baseline:
         """What identifies the baseline's files: sdist sha256 or commit id."""
         return self.commit if self.is_git else self.sha256
 
+    def installs_on(self, version: tuple[int, int]) -> bool:
+        """Whether a fork of this base installs on Python `version` (major, minor)."""
+        if not self.python:
+            return True
+        major, minor = self.python.split(".")
+        return version >= (int(major), int(minor))
+
 
 @dataclass(frozen=True)
 class Manifest:
     root: Path  # the patches/ directory
     canonical: str
-    default: str
+    default: str  # the first of `defaults` whose fork installs on the running Python
     patches: tuple[Patch, ...]
     baselines: dict[str, Baseline]
+    defaults: tuple[str, ...] = ()  # the manifest's preference order
 
     def baseline(self, name: str) -> Baseline:
         try:
@@ -71,9 +85,19 @@ class Manifest:
             return None
         return self.root / baseline.variants.get(patch.id, patch.file)
 
+    def default_for(self, version: tuple[int, int]) -> str:
+        """The preferred default baseline whose fork installs on Python `version`."""
+        for name in self.defaults:
+            if self.baselines[name].installs_on(version):
+                return name
+        return self.defaults[-1]
+
     def proof_path(self, patch: Patch) -> Path | None:
         """Our CPU proof of `patch` (absolute), or None: prove then uses the patch's tests."""
         return self.root.parent / patch.proof if patch.proof else None
+
+
+_SHARED = ("variants", "absent", "fixed-upstream")
 
 
 def _str_list(value: object) -> list[str]:
@@ -141,6 +165,18 @@ def load(path: Path) -> Manifest:
     ids = {p.id for p in patches}
     baselines: dict[str, Baseline] = {}
     for name, entry in tables.items():
+        shared = entry.get("same-code-as", "")
+        if shared:  # the variants etc. of that baseline, then this one's own entries
+            base = tables.get(shared)
+            if base is None or base.get("same-code-as"):
+                raise UserError(
+                    f"{path}: baseline {name}: same-code-as {shared!r} must name a baseline "
+                    "that has its own variants (no chains)"
+                )
+            entry = {
+                **entry,
+                **{k: {**dict(base.get(k, {})), **dict(entry.get(k, {}))} for k in _SHARED},
+            }
         source = entry.get("source")
         try:
             b = Baseline(
@@ -152,6 +188,11 @@ def load(path: Path) -> Manifest:
                 commit=str(entry.get("commit", "")),
                 variants={k: _rel_file(v) for k, v in dict(entry.get("variants", {})).items()},
                 absent={k: str(v) for k, v in dict(entry.get("absent", {})).items()},
+                fixed_upstream={
+                    k: str(v) for k, v in dict(entry.get("fixed-upstream", {})).items()
+                },
+                python=str(entry.get("python", "")),
+                same_code_as=str(shared),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path}: baseline {name} is incomplete or malformed ({exc})") from None
@@ -161,18 +202,26 @@ def load(path: Path) -> Manifest:
             raise UserError(f"{path}: baseline {name}: git source needs a full 40-hex commit")
         if source not in ("pypi", "git"):
             raise UserError(f"{path}: baseline {name}: source must be 'pypi' or 'git'")
-        unknown = (set(b.variants) | set(b.absent)) - ids
+        if b.python and not PYTHON_RE.match(b.python):
+            raise UserError(f'{path}: baseline {name}: python must read like "3.12"')
+        unknown = (set(b.variants) | set(b.absent) | set(b.fixed_upstream)) - ids
         if unknown:
             raise UserError(f"{path}: baseline {name} names unknown patches {sorted(unknown)}")
         baselines[name] = b
 
+    raw_default = data.get("default", "")
+    defaults = tuple(raw_default) if isinstance(raw_default, list) else (str(raw_default),)
+    for name in (data.get("canonical", ""), *defaults):
+        if name not in baselines:
+            known = ", ".join(baselines)
+            raise UserError(f"{path}: unknown baseline {name!r}; known baselines: {known}")
     manifest = Manifest(
         root=path.parent,
         canonical=data.get("canonical", ""),
-        default=data.get("default", ""),
+        default="",
         patches=tuple(patches),
         baselines=baselines,
+        defaults=defaults,
     )
-    for key in ("canonical", "default"):
-        manifest.baseline(getattr(manifest, key))
+    object.__setattr__(manifest, "default", manifest.default_for(sys.version_info[:2]))
     return manifest

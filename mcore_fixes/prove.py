@@ -28,7 +28,16 @@ from . import git
 from .errors import UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import APPLIES, Cell, apply_series, diff_sha256, read_patch, test_files
+from .series import (
+    APPLIES,
+    CONFLICT,
+    FIXED,
+    Cell,
+    apply_series,
+    diff_sha256,
+    read_patch,
+    test_files,
+)
 
 PROOFS_DIR = Path("build") / "proofs"
 _SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?|skipped|deselected)\b|no tests ran")
@@ -216,10 +225,20 @@ def prove_baseline(
     plan: dict[str, list[str]] = {}
     ours: list[tuple[Cell, str, str, str]] = []  # cell, proof file, before, after commit
     legacy: list[Cell] = []
+    unapplied: list[tuple[Cell, str]] = []  # does not apply: has upstream fixed it?
     for cell in cells:
-        if cell.state != APPLIES or (only and cell.patch not in only):
+        if cell.state not in (APPLIES, FIXED, CONFLICT) or (only and cell.patch not in only):
             continue
         proof = manifest.proof_path(manifest.patch(cell.patch))
+        if proof is not None and cell.state != APPLIES:
+            if proof.is_file() and cell.base:
+                plan.setdefault(cell.base, [])
+                if str(proof) not in plan[cell.base]:
+                    plan[cell.base].append(str(proof))
+                unapplied.append((cell, str(proof)))
+            continue
+        if cell.state != APPLIES:
+            continue
         if proof is None:
             legacy.append(cell)
             continue
@@ -248,6 +267,11 @@ def prove_baseline(
             "after": after,
             "tests": [_rel(root, Path(proof))],
         }
+
+    for cell, proof in unapplied:
+        before = results[(cell.base, proof)]
+        cell.proof = {"verdict": judge_unapplied(cell, before), "before": before}
+        cell.proof["tests"] = [_rel(root, Path(proof))]
 
     for cell in legacy:
         path = manifest.root / cell.file
@@ -301,18 +325,45 @@ def _proof_sha(manifest: Manifest, patch_id: str) -> str:
     return h.hexdigest()
 
 
+def judge_unapplied(cell: Cell, before: dict) -> str:
+    """A patch that does not apply, judged by its proof on the tree without it.
+
+    Its proof passes: upstream fixed it its own way (`fixed-upstream`, also where the manifest
+    does not record it yet). It fails: a manifest claim of `fixed-upstream` is refuted and the
+    cell is a `conflict` again; a plain conflict stays one.
+    """
+    passes = before["outcome"] == "passed"
+    if passes:
+        if cell.state == CONFLICT:
+            cell.state = FIXED
+            cell.detail = (
+                f"its proof passes without it (patch {cell.detail}); record upstream's commit "
+                "in the manifest's fixed-upstream table"
+            )
+        return "fixed-upstream"
+    if cell.state == FIXED:
+        cell.state = CONFLICT
+        cell.detail = f"the manifest says fixed upstream, but its proof fails: {cell.detail}"
+        return "fixed-upstream-refuted"
+    return "fails-unpatched"
+
+
 def proof_keys(manifest: Manifest, cells: list[Cell]) -> dict[str, str]:
-    """Per applied patch, a hash of its diff, the diffs applied before it, and its proof code.
+    """Per patch, a hash of its diff, the diffs applied before it, and its proof code.
 
     A proof depends on the code it ran on: the messages of the patches do not count.
     """
     keys: dict[str, str] = {}
     running = hashlib.sha256()
     for cell in cells:
+        path = manifest.root / cell.file if cell.file else None
+        if path is None or not path.is_file():
+            continue
+        own = diff_sha256(path)
         if cell.state == APPLIES:
-            running.update(diff_sha256(manifest.root / cell.file).encode())
-            own = hashlib.sha256(running.digest() + _proof_sha(manifest, cell.patch).encode())
-            keys[cell.patch] = own.hexdigest()
+            running.update(own.encode())
+        key = running.hexdigest() + own + _proof_sha(manifest, cell.patch)
+        keys[cell.patch] = hashlib.sha256(key.encode()).hexdigest()
     return keys
 
 
@@ -322,12 +373,20 @@ def load_proofs(root: Path, baseline: str) -> dict:
 
 
 def attach_proofs(root: Path, manifest: Manifest, b: Baseline, cells: list[Cell]) -> None:
-    """Attach stored proofs to cells, only where the baseline and the diffs are unchanged."""
+    """Attach stored proofs to cells, only where the baseline, the diffs and proofs are unchanged.
+
+    A patch that does not apply takes its state from its stored proof (see judge_unapplied).
+    """
     store = load_proofs(root, b.name)
     keys = proof_keys(manifest, cells)
     for cell in cells:
         proof = store.get(cell.patch)
-        if not proof or cell.state != APPLIES:
+        if not proof or cell.state not in (APPLIES, FIXED, CONFLICT):
             continue
-        if proof.get("pin") == b.pin and proof.get("key") == keys.get(cell.patch):
+        if proof.get("pin") != b.pin or proof.get("key") != keys.get(cell.patch):
+            continue
+        if cell.state == APPLIES and "after" in proof:
+            cell.proof = proof
+        elif cell.state != APPLIES and "after" not in proof and "before" in proof:
+            judge_unapplied(cell, proof["before"])
             cell.proof = proof

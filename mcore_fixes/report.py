@@ -15,6 +15,9 @@ _PROOF_MARK = {
     "no-proof": "unproven",
     "no-import-unpatched": "PROOF DOES NOT IMPORT UNPATCHED",
     "no-proof-file": "PROOF FILE MISSING",
+    "fixed-upstream": "proof passes unpatched",
+    "fixed-upstream-refuted": "PROOF FAILS UNPATCHED",
+    "fails-unpatched": "proof fails unpatched",
 }
 
 
@@ -42,7 +45,10 @@ def _notes(cells: list[Cell]) -> list[str]:
     for c in cells:
         if c.detail and c.state not in ("applies",):
             notes.append(f"{c.baseline} / {c.patch}: {c.state}: {c.detail}")
-        if c.proof.get("before"):
+        if c.proof.get("before") and not c.proof.get("after"):
+            b = c.proof["before"]
+            notes.append(f"{c.baseline} / {c.patch}: proof without the patch: {b['summary']}")
+        elif c.proof.get("before"):
             b, a = c.proof["before"], c.proof["after"]
             notes.append(
                 f"{c.baseline} / {c.patch}: unpatched {b['outcome']} ({b['summary']}); "

@@ -24,11 +24,12 @@ _DIFFSTAT = re.compile(r"^ (\d+) files? changed", re.M)
 # Cell states.
 APPLIES = "applies"
 UPSTREAM = "applied-upstream"
+FIXED = "fixed-upstream"  # does not apply, but upstream fixed it its own way (proof passes)
 ABSENT = "absent"
 CONFLICT = "conflict"
 SKIPPED = "skipped"
 MISSING = "missing"  # the manifest names a patch file that does not exist (yet)
-OK_STATES = (APPLIES, UPSTREAM)
+OK_STATES = (APPLIES, UPSTREAM, FIXED)
 
 
 @dataclass
@@ -39,12 +40,14 @@ class Cell:
     file: str = ""  # patch file, relative to patches/
     detail: str = ""
     commit: str = ""  # commit of the patch in the tree repository (state "applies")
+    base: str = ""  # the tree's commit just before this patch (its proof's `before` state)
     proof: dict = field(default_factory=dict)
     # tests/ paths of the patch left out: the tree has no upstream tests (a PyPI sdist)
     excluded: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict:
-        data = {k: v for k, v in vars(self).items() if k != "commit" and v not in ("", {}, [])}
+        hidden = ("commit", "base")
+        data = {k: v for k, v in vars(self).items() if k not in hidden and v not in ("", {}, [])}
         return data
 
 
@@ -152,7 +155,9 @@ def apply_series(
 ) -> list[Cell]:
     """Reset `tree` to pristine and `git am` the series in order; return one cell per patch.
 
-    A patch that reverse-applies is `applied-upstream` and is not applied again; a patch whose
+    A patch that reverse-applies is `applied-upstream` and is not applied again; one that does
+    not apply where the manifest records upstream's own fix (`fixed-upstream`) is skipped and
+    counts as present for the patches that require it (prove checks that claim); a patch whose
     required patch did not apply is a conflict. `only` limits application to those patch ids
     (and what they require); the other cells are still reported as `skipped`.
     """
@@ -175,6 +180,7 @@ def apply_series(
         if not path.exists():
             cell.state, cell.detail = MISSING, "patch file not written yet"
             continue
+        cell.base = git.out(tree, "rev-parse", "HEAD")
         missing = [r for r in p.requires if r not in good]
         if missing:
             cell.detail = f"requires {', '.join(missing)}, which did not apply"
@@ -192,6 +198,10 @@ def apply_series(
         check = git.run(tree, "apply", "--check", *opts, str(path), check=False)
         if check.returncode != 0:
             cell.detail = conflict_detail(check.stderr)
+            if p.id in b.fixed_upstream:  # skipped, the rest of the series goes on
+                cell.state = FIXED
+                cell.detail = f"Applied-Upstream: {b.fixed_upstream[p.id]} (patch {cell.detail})"
+                good.add(p.id)
             continue
         git.run(tree, "am", "-q", "--keep-cr", *opts, str(path), env=git.TOOL_IDENTITY)
         if opts:

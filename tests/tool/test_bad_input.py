@@ -49,6 +49,7 @@ def test_checkout_matching_no_baseline(world, project, tool, tmp_path):
     co = world.clone(tmp_path / "co", "core_v0.3.0")
     info = co / "megatron/core/package_info.py"
     info.write_text(info.read_text().replace("MINOR = 3", "MINOR = 9"))
+    git(co, "checkout", "-q", "--orphan", "flat")  # no pinned commit in its history
     git(co, "commit", "-qam", "bump")
     before = snapshot(co)
     r = tool(project, "apply", co)
