@@ -78,34 +78,68 @@ def info_record(manifest: Manifest, b: Baseline, tree: Path, cells: list[Cell]) 
     }
 
 
-def local_edits(root: Path) -> list[str]:
-    """Files of the vendored tree that differ from what `vendor` wrote (edited, added, removed)."""
+def local_edits(root: Path) -> list[str] | None:
+    """Files of the vendored tree that differ from what `vendor` wrote (edited, added, removed).
+
+    None for a tree an interrupted `vendor` left half written: it holds no edits of the user
+    (vendor starts only on a tree without them), and nothing may be exported from it.
+    """
     state = _load_state(root)
     if state is None:
         return []
+    if state.get("incomplete"):
+        return None
     now = _hash_tree(root, ["megatron"], state["test_files"])
     old: dict[str, str] = state["files"]
     return sorted(p for p in set(now) | set(old) if now.get(p) != old.get(p))
 
 
-def _load_state(root: Path) -> dict | None:
+def _load_state(root: Path, strict: bool = True) -> dict | None:
+    """build/vendor.json; None if absent (or corrupt and not `strict`)."""
     path = root / "build" / STATE_NAME
     if not path.exists() or not (root / "megatron").exists():
         return None
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        state = None
+    if (
+        isinstance(state, dict)
+        and isinstance(state.get("baseline"), str)
+        and isinstance(state.get("test_files"), list)
+        and (state.get("incomplete") or isinstance(state.get("files"), dict))
+    ):
+        return state
+    if strict:
+        raise UserError(
+            f"{path} is corrupt, so the edits of {root / 'megatron'} cannot be told apart; "
+            "`vendor --force` rebuilds it (discarding them)"
+        )
+    return None
+
+
+def _write_state(root: Path, state: dict) -> None:
+    path = root / "build" / STATE_NAME
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def vendor(
     root: Path, manifest: Manifest, b: Baseline, tree: Path, force: bool, progress: Progress
 ) -> dict:
-    """Apply the series to the pristine tree and install the result as the vendored tree."""
-    edits = local_edits(root)
-    if edits and not force:
+    """Apply the series to the pristine tree and install the result as the vendored tree.
+
+    Interrupt-safe: build/vendor.json says `incomplete` while megatron/ is replaced (by
+    renames), so a killed run is redone by the next `vendor` and never exported.
+    """
+    edits = [] if force else local_edits(root)
+    if edits:
         raise CheckFailed(
             f"the vendored tree has {len(edits)} local edit(s) (e.g. {edits[0]}); run "
             "`python -m mcore_fixes export` to keep them, or `vendor --force` to discard them"
         )
-    previous = _load_state(root)
+    previous = _load_state(root, strict=not force)
     if previous is None and (root / "megatron").exists() and not force:
         raise CheckFailed(
             f"{root / 'megatron'} exists but build/{STATE_NAME} (what vendor wrote) is missing, "
@@ -121,29 +155,34 @@ def vendor(
     record = info_record(manifest, b, tree, cells)
 
     progress.step("writing the vendored tree")
-    staging = root / "build" / "vendor-staging"
-    if staging.exists():
-        shutil.rmtree(staging)
-    shutil.copytree(tree / "megatron", staging / "megatron")
+    staging, retired = root / "build" / "vendor-staging", root / "build" / "vendor-retired"
+    for leftover in (staging, retired):  # of a killed run
+        shutil.rmtree(leftover, ignore_errors=True)
+    shutil.copytree(tree / "megatron", staging / "megatron", symlinks=True)
     (staging / "megatron" / "core" / INFO_NAME).write_text(json.dumps(record, indent=2) + "\n")
-    old = root / "megatron"
-    if old.exists():
-        shutil.rmtree(old)
-    os.replace(staging / "megatron", old)
-    shutil.rmtree(staging)
-    for rel in (previous or {}).get("test_files", []):
+    old_tests = (previous or {}).get("test_files", [])
+    (root / "build").mkdir(exist_ok=True)
+    _write_state(
+        root, {"baseline": b.name, "incomplete": True, "test_files": sorted({*old_tests, *tests})}
+    )
+    if (root / "megatron").exists():
+        os.replace(root / "megatron", retired)
+    os.replace(staging / "megatron", root / "megatron")
+    for rel in old_tests:
         if rel not in tests:  # the test of a patch not applied on this baseline
             (root / rel).unlink(missing_ok=True)
     for rel in tests:
         dest = root / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(tree / rel, dest)
+        shutil.copy2(tree / rel, dest, follow_symlinks=False)
     state = {
         "baseline": b.name,
         "test_files": tests,
         "files": _hash_tree(root, ["megatron"], tests),
     }
-    (root / "build" / STATE_NAME).write_text(json.dumps(state, indent=1) + "\n")
+    _write_state(root, state)
+    for leftover in (staging, retired):
+        shutil.rmtree(leftover, ignore_errors=True)
     return record
 
 
@@ -166,7 +205,19 @@ def export(
     if into is not None:
         manifest.patch(into)  # an unknown id is an error even when nothing needs it
     edits = local_edits(root)
+    if edits is None:
+        raise CheckFailed(
+            f"an interrupted `vendor` left {root / 'megatron'} half written; run "
+            f"`python -m mcore_fixes vendor --baseline {b.name}` again (nothing was exported)"
+        )
     cells = apply_series(tree, manifest, b)
+    broken = [c for c in cells if c.state not in OK_STATES + ("absent",)]
+    if broken:  # exporting would rewrite the later patches from a different series
+        c = broken[0]
+        raise CheckFailed(
+            f"patch {c.patch} ({c.file}) is {c.state} on {b.name} ({c.detail}); restore it "
+            "before exporting (nothing was written)"
+        )
     commits = {c.patch: c for c in cells if c.state == "applies"}
     owners: dict[str, list[str]] = {}
     for rel in edits:
@@ -234,8 +285,8 @@ def export(
         if changed:
             target.write_text(text, encoding="utf-8")
         results.append((cell.file, "updated" if changed else "unchanged"))
-    state_path = root / "build" / STATE_NAME
-    state = json.loads(state_path.read_text())
+    state = _load_state(root)
+    assert state is not None
     state["files"] = _hash_tree(root, ["megatron"], state["test_files"])
-    state_path.write_text(json.dumps(state, indent=1) + "\n")
+    _write_state(root, state)
     return results
