@@ -7,6 +7,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -169,23 +170,46 @@ def cmd_test(args: argparse.Namespace) -> int:
 
 
 def cmd_lint_patches(args: argparse.Namespace) -> int:
-    """The lines the series adds, checked with upstream's formatters (black, isort on PATH)."""
+    """Each commit of the series, checked like upstream's CI (see mcore_fixes/lint.py)."""
     m = _manifest(args)
     progress = Progress()
-    failed = 0
-    for b in _selected(m, args.baseline):
-        tree = _tree_or_skip(args, b, progress)
-        if isinstance(tree, str):
-            print(f"{b.name}: skipped: {tree}")
-            continue
-        cells = apply_series(tree, m, b)
-        texts = [read_patch(m.root / c.file) for c in cells if c.state == "applies"]
-        problems = lint.lint(tree, texts)
-        for problem in problems:
-            print(f"{b.name}: {problem}")
-        failed += len(problems)
-        print(f"{b.name}: {len(texts)} patch(es) checked, {len(problems)} problem(s)")
-    return 1 if failed else 0
+    return lint.lint_patches(
+        args.root,
+        m,
+        _selected(m, args.baseline),
+        lambda b: _tree_or_skip(args, b, progress),
+        sources.mcore_repo_from(args.mcore_repo),
+        args.tools_python,
+    )
+
+
+def cmd_suites(args: argparse.Namespace) -> int:
+    from . import suites  # noqa: PLC0415
+
+    m = _manifest(args)
+    source = Path(args.checkout).resolve()
+    if args.baseline:
+        b = m.baseline(args.baseline)
+    elif source.is_dir():
+        b, _ = checkout.detect_baseline(m, checkout.toplevel(source))
+    else:
+        b = m.baseline(m.canonical)
+    out = Path(args.out or args.root / "build" / "suites" / f"{b.name}-results").resolve()
+    extra = shlex.split(args.pytest_args)
+    homes = tuple(args.suite) if args.suite else suites.SUITES
+    return suites.run_suites(
+        args.root, m, b, source, out, args.nproc, args.python, extra, args.timeout, homes=homes
+    )
+
+
+def cmd_upstream(args: argparse.Namespace) -> int:
+    from . import upstream  # noqa: PLC0415
+
+    repo = sources.mcore_repo_from(args.mcore_repo)
+    if repo is None:
+        raise UserError("upstream needs a Megatron-LM checkout: pass --mcore-repo PATH")
+    upstream.export(args.root, _manifest(args), repo, args.onto, args.fix)
+    return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -269,10 +293,32 @@ def build_parser() -> argparse.ArgumentParser:
     with_repo(p)
     p.set_defaults(func=cmd_test)
 
-    p = sub.add_parser("lint-patches", help="upstream black/isort on the files the series touches")
+    p = sub.add_parser("lint-patches", help="upstream's CI checks on each commit of the series")
     p.add_argument("--baseline", action="append", help="limit to these baselines (repeatable)")
+    p.add_argument(
+        "--tools-python",
+        help="interpreter with upstream's pinned black/isort/pylint and griffe "
+        "(default: a venv the tool makes under build/lint-env)",
+    )
     with_repo(p)
     p.set_defaults(func=cmd_lint_patches)
+
+    p = sub.add_parser("upstream", help="one branch per upstream PR in a checkout (never pushes)")
+    p.add_argument("--fix", type=int, action="append", help="only this fix (repeatable)")
+    p.add_argument("--onto", help="base commit or branch (default: the canonical baseline's pin)")
+    with_repo(p)
+    p.set_defaults(func=cmd_upstream)
+
+    p = sub.add_parser("suites", help="upstream's neighbouring suites, pristine vs patched (GPU)")
+    p.add_argument("checkout", help="a full Megatron-LM checkout (work tree or tarball of one)")
+    p.add_argument("--baseline", help="baseline of the checkout (default: detected)")
+    p.add_argument("--nproc", type=int, default=1, help="torchrun --nproc_per_node (GPUs)")
+    p.add_argument("--out", help="folder for junit files, logs and report.md")
+    p.add_argument("--python", default=sys.executable, help="interpreter with torch + pytest")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds for all runs together")
+    p.add_argument("--suite", action="append", help="test path (repeatable; default: the homes)")
+    p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
+    p.set_defaults(func=cmd_suites)
 
     p = sub.add_parser("info", help="what the importable megatron.core fork contains")
     p.add_argument("--json", action="store_true")

@@ -1,20 +1,65 @@
-"""`lint-patches`: the lines a patch adds must be what upstream's formatters would write.
+"""`lint-patches`: each commit of the series, checked the way upstream's CI checks a PR.
 
-Only the patch's own lines are judged (a formatter diff line that removes a line the patch
-added), so upstream code formatted by another black release does not count against us.
+Per commit of the series (in the tool's own tree repository, build/trees/<baseline>, one commit
+per patch), against its parent:
+
+- ``api``: upstream's ``scripts/check_api_backwards_compatibility.py`` (griffe), read from the
+  Megatron-LM checkout at the baseline's commit; a breaking change fails upstream CI;
+- ``copyright``: the header check of upstream's CI (NVIDIA-NeMo/FW-CI-templates
+  ``_copyright_check.yml``): every added ``*.py`` file but ``__init__.py`` names an NVIDIA
+  copyright (or an MIT / Apache license) in its first 10 lines;
+- ``pylint``: with the checkout's ``.pylintrc`` on the changed files under ``megatron/core``
+  (upstream's pre-commit scope); only messages on lines the commit adds count;
+- ``black`` / ``isort``: upstream's settings; only the lines the commit adds are judged (a
+  formatter diff line that removes a line the commit added), so upstream code formatted by
+  another black release does not count against us.
+
+Tool versions are the ones upstream pins: black, isort and pylint from the checkout's
+``pyproject.toml`` (dependency group ``linting``; main: black 26.3.0, isort 5.13.2, pylint
+3.2.6). Upstream pins no griffe (its API-check workflow ran a bare ``pip install griffe``), so
+we pin the release we measured with (GRIFFE). With a checkout the tools live in a venv the tool
+manages (build/lint-env, made with uv or venv + pip); ``--tools-python`` names an interpreter
+that has them instead. Without a checkout the api and pylint checks are skipped (said so), and
+black / isort come from PATH.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+import shutil
 import subprocess
+import sys
 import tempfile
+import tomllib
+from dataclasses import dataclass
 from pathlib import Path
+
+from . import git
+from .errors import UserError
 
 # Megatron-LM main's settings (pyproject.toml [tool.black], .pre-commit-config.yaml); the
 # config file is replaced so that an older baseline's `required-version` does not apply.
 BLACK = ["black", "--diff", "-q", "-l", "100", "--skip-string-normalization",
          "--skip-magic-trailing-comma"]  # fmt: skip
 ISORT = ["isort", "--diff", "--profile", "black", "-l", "100", "-p", "megatron"]
+
+# Upstream main's pins (pyproject.toml, dependency group `linting`), used without a checkout.
+DEFAULT_PINS = {"black": "26.3.0", "isort": "5.13.2", "pylint": "3.2.6"}
+# Upstream pins none: its API-check workflow ran `pip install griffe`. The release we measured
+# with (it reproduces upstream's own numbers on the first series).
+GRIFFE = "2.4.1"
+API_SCRIPT = "scripts/check_api_backwards_compatibility.py"
+PYLINTRC = ".pylintrc"
+CHECKS = ("api", "copyright", "pylint", "black", "isort")
+
+# FW-CI-templates _copyright_check.yml: `head -n 10 | egrep -iv` of these patterns.
+_COPYRIGHT_OK = re.compile(
+    r"Copyright.*NVIDIA CORPORATION|MIT.*Licen.e|Copyright.*Apache|Apache.*License", re.I
+)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_PYLINT_MSG = re.compile(r"^(?P<path>[^:\n]+):(?P<line>\d+):\d+: (?P<msg>.*)$", re.M)
 
 
 def added_lines(patch_text: str) -> dict[str, set[str]]:
@@ -32,6 +77,34 @@ def added_lines(patch_text: str) -> dict[str, set[str]]:
     return added
 
 
+def added_line_numbers(diff_text: str) -> dict[str, set[int]]:
+    """Per file, the new-side line numbers a `git diff -U0` adds."""
+    numbers: dict[str, set[int]] = {}
+    current: set[int] | None = None
+    for line in diff_text.splitlines():
+        if line.startswith("+++ "):
+            path = line[4:]
+            current = numbers.setdefault(path[2:], set()) if path.startswith("b/") else None
+        elif line.startswith("@@") and current is not None:
+            m = re.match(r"@@ -\S+ \+(\d+)(?:,(\d+))? @@", line)
+            if m:
+                start, count = int(m.group(1)), int(m.group(2) or "1")
+                current.update(range(start, start + count))
+    return numbers
+
+
+def new_files(patch_text: str) -> list[str]:
+    """Paths a patch creates (`new file mode`)."""
+    created: list[str] = []
+    path = ""
+    for line in patch_text.splitlines():
+        if line.startswith("diff --git a/"):
+            path = line.partition(" b/")[2]
+        elif line.startswith("new file mode") and path:
+            created.append(path)
+    return created
+
+
 def _offending(diff: str, ours: set[str]) -> list[str]:
     # Blank lines are everybody's: a blank line black drops may be upstream's.
     return [
@@ -40,8 +113,26 @@ def _offending(diff: str, ours: set[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def lint(tree: Path, patch_texts: list[str]) -> list[str]:
-    """Problems in the lines the patches add to Python files of `tree` (empty: clean)."""
+def _exe(name: str) -> str | None:
+    """A tool beside this interpreter (its venv), else on PATH."""
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else shutil.which(name)
+
+
+def _formatters(tools_bin: Path | None) -> tuple[list[str], list[str]]:
+    if tools_bin is None:
+        return [_exe("black") or "black", *BLACK[1:]], [_exe("isort") or "isort", *ISORT[1:]]
+    return [str(tools_bin / "black"), *BLACK[1:]], [str(tools_bin / "isort"), *ISORT[1:]]
+
+
+def lint(
+    tree: Path, patch_texts: list[str], tools_bin: Path | None = None, only: str | None = None
+) -> list[str]:
+    """black/isort problems in the lines the patches add to Python files of `tree` (empty: clean).
+
+    `only` limits to one formatter ("black" or "isort").
+    """
+    black, isort = _formatters(tools_bin)
     ours: dict[str, set[str]] = {}
     for text in patch_texts:
         for path, lines in added_lines(text).items():
@@ -53,13 +144,344 @@ def lint(tree: Path, patch_texts: list[str]) -> list[str]:
         for path, lines in sorted(ours.items()):
             if not path.endswith(".py") or not (tree / path).exists():
                 continue
-            tools = [("black", [*BLACK, "--config", str(config), path])]
+            tools = [("black", [*black, "--config", str(config), path])]
             if path.startswith("megatron/core/"):
-                tools.append(("isort", [*ISORT, path]))
+                tools.append(("isort", [*isort, path]))
             for name, cmd in tools:
+                if only and name != only:
+                    continue
                 proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
                 if proc.returncode not in (0, 1):
                     problems.append(f"{path}: {name} failed: {proc.stderr.strip()}")
                 for line in _offending(proc.stdout, lines):
                     problems.append(f"{path}: {name} would rewrite: {line.strip()}")
     return problems
+
+
+def copyright_problems(tree: Path, patch_text: str) -> list[str]:
+    """Added Python files (not __init__.py) without an NVIDIA copyright in their first 10 lines."""
+    problems = []
+    for path in new_files(patch_text):
+        if not path.endswith(".py") or path.endswith("__init__.py"):
+            continue
+        head = (tree / path).read_text(encoding="utf-8", errors="replace").splitlines()[:10]
+        if not _COPYRIGHT_OK.search("\t".join(head)):
+            problems.append(f"{path}: no NVIDIA copyright line in its first 10 lines")
+    return problems
+
+
+# --- pins and the tool environment -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Upstream's CI inputs for one baseline commit, read from the user's checkout."""
+
+    commit: str
+    pins: dict[str, str]  # tool -> version
+    script: Path | None  # the API checker, written to a scratch dir (never into this repo)
+    pylintrc: Path | None
+
+    def pin_of(self, tool: str) -> str:
+        return self.pins.get(tool, DEFAULT_PINS.get(tool, ""))
+
+
+def _show(repo: Path, commit: str, rel: str) -> str | None:
+    proc = git.run(repo, "show", f"{commit}:{rel}", check=False)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def read_pins(pyproject_text: str | None, precommit_text: str | None = None) -> dict[str, str]:
+    """black/isort/pylint versions pinned by upstream (`name==X` in pyproject, else pre-commit)."""
+    pins: dict[str, str] = {}
+    if pyproject_text:
+        try:
+            data = tomllib.loads(pyproject_text)
+        except tomllib.TOMLDecodeError:
+            data = {}
+        groups = [*data.get("dependency-groups", {}).values()]
+        groups += [*data.get("project", {}).get("optional-dependencies", {}).values()]
+        for group in groups:
+            for req in group if isinstance(group, list) else []:
+                m = re.fullmatch(r"\s*(black|isort|pylint)\s*==\s*([\w.]+)\s*", str(req))
+                if m:
+                    pins.setdefault(m.group(1), m.group(2))
+    if precommit_text:
+        for tool, rev in re.findall(
+            r"repo: \S*/(black|isort|pylint)\s*\n\s*rev: '?(?:refs/tags/)?v?([\w.]+)",
+            precommit_text,
+        ):
+            pins.setdefault(tool, rev)
+    return pins
+
+
+def upstream_inputs(mcore_repo: Path, commit: str, scratch: Path) -> Upstream:
+    pins = read_pins(
+        _show(mcore_repo, commit, "pyproject.toml"),
+        _show(mcore_repo, commit, ".pre-commit-config.yaml"),
+    )
+    paths: dict[str, Path | None] = {}
+    for rel in (API_SCRIPT, PYLINTRC):
+        text = _show(mcore_repo, commit, rel)
+        if text is None:
+            paths[rel] = None
+            continue
+        target = scratch / commit[:12] / Path(rel).name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        paths[rel] = target
+    return Upstream(commit, pins, paths[API_SCRIPT], paths[PYLINTRC])
+
+
+def _versions(python: str) -> dict[str, str]:
+    code = (
+        "import importlib.metadata as m, json\n"
+        "out = {}\n"
+        "for n in ('black', 'isort', 'pylint', 'griffe'):\n"
+        "    try: out[n] = m.version(n)\n"
+        "    except m.PackageNotFoundError: pass\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"--tools-python {python}: cannot run it: {proc.stderr.strip()[-300:]}")
+    return json.loads(proc.stdout)
+
+
+def tool_env(root: Path, pins: dict[str, str]) -> Path:
+    """The interpreter of build/lint-env/<hash>, a venv with exactly the pinned tools."""
+    wanted = {**DEFAULT_PINS, **pins, "griffe": GRIFFE}
+    reqs = sorted(f"{k}=={v}" for k, v in wanted.items())
+    key = hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:12]
+    env = root / "build" / "lint-env" / key
+    python = env / "bin" / "python"
+    stamp = env / "mcore-fixes-requirements.txt"
+    if stamp.exists() and stamp.read_text() == "\n".join(reqs) + "\n" and python.exists():
+        return python
+    if env.exists():
+        shutil.rmtree(env)
+    env.parent.mkdir(parents=True, exist_ok=True)
+    uv = shutil.which("uv")
+    if uv:
+        steps = [
+            [uv, "venv", "-q", "--python", sys.executable, str(env)],
+            [uv, "pip", "install", "-q", "--python", str(python), *reqs],
+        ]
+    else:
+        steps = [
+            [sys.executable, "-m", "venv", str(env)],
+            [str(python), "-m", "pip", "install", "-q", *reqs],
+        ]
+    for cmd in steps:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(env, ignore_errors=True)
+            tail = " / ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+            raise UserError(
+                f"could not install upstream's lint tools ({' '.join(reqs)}) into {env}: {tail}. "
+                "Offline, pass --tools-python PY naming an interpreter that has them."
+            )
+    stamp.write_text("\n".join(reqs) + "\n")
+    return python
+
+
+# --- per commit ------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    check: str
+    state: str  # ok / FAIL / skipped
+    detail: str = ""
+    problems: tuple[str, ...] = ()
+
+
+def _api(tree: Path, parent: str, commit: str, up: Upstream, python: str) -> Result:
+    if up.script is None:
+        return Result("api", "skipped", f"the checkout has no {API_SCRIPT} at {up.commit[:10]}")
+    cmd = [python, str(up.script), "--baseline", parent, "--current", commit]
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+    text = _ANSI.sub("", proc.stdout + proc.stderr)
+    if proc.returncode == 0:
+        return Result("api", "ok", "0 breaking changes")
+    if proc.returncode == 1:
+        found = re.findall(r"^\s*→ (.*)$", text, re.M)
+        return Result("api", "FAIL", f"{len(found)} breaking change(s)", tuple(found))
+    last = (text.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return Result("api", "FAIL", f"the checker did not run: {last}")
+
+
+def _pylint(
+    tree: Path, parent: str, commit: str, files: list[str], up: Upstream, tools_bin: Path
+) -> Result:
+    if up.pylintrc is None:
+        return Result("pylint", "skipped", f"the checkout has no {PYLINTRC} at {up.commit[:10]}")
+    targets = [f for f in files if f.startswith("megatron/core/") and f.endswith(".py")]
+    if not targets:
+        return Result("pylint", "ok", "no changed file under megatron/core")
+    template = "--msg-template={path}:{line}:{column}: {msg_id} {msg} ({symbol})"
+    cmd = [str(tools_bin / "pylint"), f"--rcfile={up.pylintrc}", "-sn", template, *targets]
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+    if proc.returncode & 1 or proc.returncode >= 32:  # fatal or usage error
+        return Result("pylint", "FAIL", f"pylint did not run: {proc.stderr.strip()[-300:]}")
+    diff = git.out(tree, "diff", "-U0", parent, commit, "--", *targets)
+    ours = added_line_numbers(diff)
+    mine, theirs = [], 0
+    for m in _PYLINT_MSG.finditer(proc.stdout):
+        if int(m.group("line")) in ours.get(m.group("path"), set()):
+            mine.append(f"{m.group('path')}:{m.group('line')}: {m.group('msg')}")
+        else:
+            theirs += 1
+    note = f"; {theirs} on upstream's own lines (not counted)" if theirs else ""
+    if mine:
+        return Result("pylint", "FAIL", f"{len(mine)} message(s) on added lines{note}", tuple(mine))
+    return Result("pylint", "ok", f"{len(targets)} file(s){note}")
+
+
+def check_commit(
+    tree: Path,
+    parent: str,
+    commit: str,
+    patch_text: str,
+    up: Upstream | None,
+    python: str | None,
+    why_skipped: str,
+) -> list[Result]:
+    """Every check of CHECKS for one commit of the tree repository (checked out here)."""
+    git.run(tree, "checkout", "-q", "-f", commit)
+    files = git.out(tree, "diff", "--name-only", "--diff-filter=d", parent, commit).splitlines()
+    tools_bin = Path(python).parent if python else None
+    results: list[Result] = []
+    if up is None or python is None:
+        results.append(Result("api", "skipped", why_skipped))
+    else:
+        results.append(_api(tree, parent, commit, up, python))
+    bad = copyright_problems(tree, patch_text)
+    n_new = len([p for p in new_files(patch_text) if p.endswith(".py")])
+    results.append(
+        Result("copyright", "FAIL", f"{len(bad)} file(s)", tuple(bad))
+        if bad
+        else Result("copyright", "ok", f"{n_new} added Python file(s)")
+    )
+    if up is None or python is None or tools_bin is None:
+        results.append(Result("pylint", "skipped", why_skipped))
+    else:
+        results.append(_pylint(tree, parent, commit, files, up, tools_bin))
+    for name in ("black", "isort"):
+        exe = (tools_bin / name) if tools_bin else _exe(name)
+        if exe is None or not Path(exe).exists():
+            results.append(Result(name, "skipped", f"{name} is not on PATH"))
+            continue
+        problems = lint(tree, [patch_text], tools_bin, only=name)
+        results.append(
+            Result(name, "FAIL", f"{len(problems)} line(s)", tuple(problems))
+            if problems
+            else Result(name, "ok")
+        )
+    return results
+
+
+def versions_line(python: str | None, up: Upstream | None) -> str:
+    """Which tool versions ran, and which upstream pins, for the report."""
+    if python is None:
+        found = {}
+        for name in ("black", "isort"):
+            exe = _exe(name)
+            if exe:
+                proc = subprocess.run([exe, "--version"], capture_output=True, text=True)
+                m = re.search(r"(\d+\.\d+(?:\.\d+)?)", proc.stdout + proc.stderr)
+                found[name] = m.group(1) if m else "?"
+    else:
+        found = _versions(python)
+    pins = {**DEFAULT_PINS, **(up.pins if up else {}), "griffe": GRIFFE}
+    parts = []
+    for name in ("griffe", "pylint", "black", "isort"):
+        have = found.get(name, "-")
+        mark = "" if have == pins[name] else f" (upstream pins {pins[name]})"
+        parts.append(f"{name} {have}{mark}")
+    return ", ".join(parts)
+
+
+def check_versions(python: str, up: Upstream) -> None:
+    """UserError when --tools-python has other versions than upstream pins."""
+    found = _versions(python)
+    wanted = {**DEFAULT_PINS, **up.pins}
+    wrong = [f"{k}=={v} (found {found.get(k, 'none')})" for k, v in wanted.items()
+             if found.get(k) != v]  # fmt: skip
+    if "griffe" not in found:
+        wrong.append("griffe (not installed)")
+    if wrong:
+        raise UserError(f"{python} lacks upstream's pinned lint tools: {', '.join(wrong)}")
+
+
+# --- the verb --------------------------------------------------------------------------------
+
+
+def lint_patches(
+    root: Path,
+    manifest,
+    baselines: list,
+    tree_or_skip,
+    mcore_repo: Path | None,
+    tools_python: str | None,
+    say=print,
+) -> int:
+    """`lint-patches`: one line per commit and check; returns the exit status (1: a check failed).
+
+    `tree_or_skip(b)` gives the pristine tree repository of baseline `b`, or why it is skipped.
+    """
+    from .series import APPLIES, apply_series, read_patch  # noqa: PLC0415 (import cycle)
+
+    failed = 0
+    python: str | None = None
+    with tempfile.TemporaryDirectory(prefix="mcore-fixes-lint-") as scratch:
+        for b in baselines:
+            tree = tree_or_skip(b)
+            if isinstance(tree, str):
+                say(f"{b.name}: skipped: {tree}")
+                continue
+            up: Upstream | None = None
+            if mcore_repo is None:
+                why = "no Megatron-LM checkout (pass --mcore-repo PATH or set MCORE_REPO)"
+            elif not b.is_git:
+                why = "a PyPI baseline: upstream's CI inputs come from git baselines"
+            else:
+                why = ""
+                up = upstream_inputs(mcore_repo, b.commit, Path(scratch))
+                if python is None:
+                    python = tools_python or str(tool_env(root, up.pins))
+                check_versions(python, up)
+            cells = apply_series(tree, manifest, b)
+            say(f"{b.name}: tools: {versions_line(python if up else None, up)}")
+            if why:
+                say(f"{b.name}: skipped api, pylint: {why}")
+            n_fail = n_skip = n_commits = 0
+            for cell in cells:
+                if cell.state != APPLIES:
+                    continue
+                n_commits += 1
+                text = read_patch(manifest.root / cell.file)
+                parent = git.out(tree, "rev-parse", f"{cell.commit}^")
+                for r in check_commit(tree, parent, cell.commit, text, up, python if up else None,
+                                      why):  # fmt: skip
+                    if r.state == "skipped" and why:
+                        n_skip += 1
+                        continue  # said once per baseline above
+                    n_fail += r.state == "FAIL"
+                    n_skip += r.state == "skipped"
+                    detail = f"  {r.detail}" if r.detail else ""
+                    say(f"{b.name}  {cell.patch:<26} {r.check:<9} {r.state}{detail}")
+                    for problem in r.problems:
+                        say(f"    {problem}")
+            git.run(tree, "checkout", "-q", "-f", cells and _last(cells) or "pristine")
+            failed += n_fail
+            say(
+                f"{b.name}: {n_commits} commit(s) x {len(CHECKS)} checks: "
+                f"{n_fail} failed, {n_skip} skipped"
+            )
+    return 1 if failed else 0
+
+
+def _last(cells) -> str:
+    commits = [c.commit for c in cells if c.commit]
+    return commits[-1] if commits else "pristine"

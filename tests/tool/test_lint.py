@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,105 @@ def test_flags_only_the_patch_lines(tmp_path: Path) -> None:
     target.write_text("def upstream( a ):\n    return a\n\n\nvalue = {'a': 1}\n")
     clean = PATCH.replace("+value = {'a':1}", "+value = {'a': 1}")
     assert [p for p in lint.lint(tmp_path, [clean]) if "black" in p] == []
+
+
+NEW_FILE = """\
+diff --git a/tests/unit_tests/test_new.py b/tests/unit_tests/test_new.py
+new file mode 100644
+--- /dev/null
++++ b/tests/unit_tests/test_new.py
+@@ -0,0 +1,2 @@
++{first}
++def test_x(): pass
+"""
+
+
+@pytest.mark.parametrize(
+    "first, ok",
+    [
+        ("# Copyright (c) 2026, NVIDIA CORPORATION. All rights reserved.", True),
+        ("# Copyright (c) 2026 NVIDIA CORPORATION & AFFILIATES. All rights reserved.", True),
+        ("# Copyright 2026 Someone Else", False),
+    ],
+)
+def test_copyright_header_of_added_files(tmp_path: Path, first: str, ok: bool) -> None:
+    patch = NEW_FILE.format(first=first)
+    (tmp_path / "tests" / "unit_tests").mkdir(parents=True)
+    (tmp_path / "tests/unit_tests/test_new.py").write_text(f"{first}\ndef test_x(): pass\n")
+    problems = lint.copyright_problems(tmp_path, patch)
+    assert problems == (
+        []
+        if ok
+        else ["tests/unit_tests/test_new.py: no NVIDIA copyright line in its first 10 lines"]
+    )
+
+
+def test_pins_come_from_upstreams_files() -> None:
+    pyproject = '[dependency-groups]\nlinting = ["ruff~=0.9.0", "black==26.3.0", "pylint==3.2.6"]\n'
+    precommit = "- repo: https://github.com/pycqa/isort\n  rev: 5.13.2\n"
+    assert lint.read_pins(pyproject, precommit) == {
+        "black": "26.3.0",
+        "pylint": "3.2.6",
+        "isort": "5.13.2",
+    }
+
+
+def test_added_line_numbers() -> None:
+    diff = "+++ b/m.py\n@@ -3,0 +4,2 @@\n+a\n+b\n@@ -9 +11 @@\n-c\n+d\n"
+    assert lint.added_line_numbers(diff) == {"m.py": {4, 5, 11}}
+
+
+def test_without_a_checkout_the_upstream_checks_are_skipped(project, tool) -> None:
+    res = tool(project, "lint-patches", "--baseline", "0.1.0")
+    assert "0.1.0: skipped api, pylint: no Megatron-LM checkout" in res.out
+    # the toy series' test files carry no copyright line: upstream's CI would refuse them
+    assert "0.1.0  fix-mean                   copyright FAIL  1 file(s)" in res.out
+    assert "    tests/unit_tests/test_mean.py: no NVIDIA copyright line" in res.out
+    assert "0.1.0: 3 commit(s) x 5 checks: 3 failed" in res.out
+    assert res.rc == 1
+
+
+def _has(*mods: str) -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) for m in mods)
+
+
+TOY_API_CHECK = """\
+import subprocess, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+changed = subprocess.run(["git", "diff", "--name-only", args["--baseline"], args["--current"]],
+                         capture_output=True, text=True).stdout
+if "megatron/core/util.py" in changed:
+    print("   \\u2192 megatron/core/util.py:0: join_names(sep): Parameter was added")
+    sys.exit(1)
+"""
+
+
+@pytest.mark.skipif(not _has("pylint", "griffe", "black", "isort"), reason="needs lint tools")
+def test_per_commit_checks_with_a_checkout(world, project, tool, tmp_path) -> None:
+    import importlib.metadata as md
+    import re as re_mod
+
+    from toolworld import commit_all, write
+
+    repo = world.clone(tmp_path / "mlm", "core_v0.1.1")
+    pins = {n: md.version(n) for n in ("black", "isort", "pylint")}
+    deps = ", ".join(f'"{n}=={v}"' for n, v in pins.items())
+    text = (repo / "pyproject.toml").read_text() + f"\n[dependency-groups]\nlinting = [{deps}]\n"
+    write(repo, "pyproject.toml", text)
+    write(repo, "scripts/check_api_backwards_compatibility.py", TOY_API_CHECK)
+    write(repo, ".pylintrc", "[MESSAGES CONTROL]\ndisable=all\nenable=C0116\n")
+    commit = commit_all(repo, "CI inputs")
+    manifest = project / "patches" / "manifest.toml"
+    old = world.commits["core_v0.1.1"]
+    manifest.write_text(re_mod.sub(old, commit, manifest.read_text()))
+    res = tool(project, "lint-patches", "--baseline", "core_v0.1.1", "--mcore-repo", repo,
+               "--tools-python", sys.executable)  # fmt: skip
+    lines = res.out.splitlines()
+    assert "core_v0.1.1  fix-mean                   api       ok  0 breaking changes" in lines
+    assert "core_v0.1.1  join-sep                   api       FAIL  1 breaking change(s)" in lines
+    # double() has no docstring: upstream's line, not counted against the patch
+    ok = "pylint    ok  1 file(s); 1 on upstream's own lines (not counted)"
+    assert f"core_v0.1.1  fix-mean                   {ok}" in lines
+    assert res.rc == 1
