@@ -289,7 +289,9 @@ def run_suites(
         ]  # fmt: skip
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(work / state), str(plugin_dir)]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(work / state), str(plugin_dir), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
             "PYTHONDONTWRITEBYTECODE": "1",
         }
         logs[state] = (out / f"{state}.log").open("w")
