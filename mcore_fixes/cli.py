@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import checkout, git, lint, report, sources
+from . import checkout, git, lint, report, sources, variants
 from . import manifest as manifest_mod
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
@@ -63,6 +63,11 @@ def cmd_vendor(args: argparse.Namespace) -> int:
     tree = _pristine(args, b, progress)
     record = vendor(args.root, m, b, tree, args.force, progress)
     print(f"vendored megatron-core {b.name} into {args.root / 'megatron'}")
+    if not b.installs_on(sys.version_info[:2]):
+        print(
+            f"  note: a fork of {b.name} installs only on Python >= {b.python} (this is "
+            f"{sys.version_info[0]}.{sys.version_info[1]}); its tree still serves tests here"
+        )
     for entry in record["applied"]:
         print(f"  applied   {entry['id']} (fix {entry['fix']})")
     for entry in record["not_applied"]:
@@ -109,12 +114,14 @@ def _status_cells(args: argparse.Namespace, m: Manifest, progress: Progress) -> 
 def cmd_status(args: argparse.Namespace) -> int:
     m = _manifest(args)
     cells = _status_cells(args, m, Progress())
+    kinds = variants.variants(m)
     if args.json:
-        print(report.as_json(m, cells))
+        print(report.as_json(m, cells, kinds))
     elif args.markdown:
         print(report.markdown(m, cells))
     else:
         print(report.table(m, cells))
+        print(report.variants_text(kinds))
     return 0
 
 
@@ -122,9 +129,39 @@ def cmd_export(args: argparse.Namespace) -> int:
     m = _manifest(args)
     b = m.baseline(vendored_baseline(args.root))
     tree = _pristine(args, b, Progress())
-    for path, what in export(args.root, m, b, tree, args.into):
+    results = export(args.root, m, b, tree, args.into)
+    for path, what in results:
         print(f"  {what:<9} patches/{path}")
+    for line in variants.export_notes(m, [p for p, what in results if what == "updated"]):
+        print(line)
     return 0
+
+
+def cmd_regen(args: argparse.Namespace) -> int:
+    """Rewrite every context-only variant from its canonical patch (see variants.py)."""
+    m = _manifest(args)
+    progress = Progress()
+    failed = 0
+    for v in variants.variants(m):
+        if v.reason or (args.patch and v.patch not in args.patch):
+            continue  # a declared backport is written by hand
+        trees = {n: _tree_or_skip(args, m.baseline(n), progress) for n in v.baselines}
+        usable = [n for n, t in trees.items() if not isinstance(t, str)]
+        lacking = [n for n in v.baselines if n not in usable and m.baseline(n).is_git]
+        if lacking or not usable:
+            print(f"  skipped   patches/{v.file}: {', '.join(lacking)} uses it: {NO_CHECKOUT}")
+            continue
+        # A git baseline's tree has upstream's tests: the variant keeps its test sections.
+        name = sorted(usable, key=lambda n: not m.baseline(n).is_git)[0]
+        progress.step(f"regenerating patches/{v.file} on {name}")
+        try:
+            path, what = variants.regen_variant(m, m.baseline(name), m.patch(v.patch), trees[name])
+        except CheckFailed as exc:
+            print(f"  failed    {exc}")
+            failed += 1
+            continue
+        print(f"  {what:<9} patches/{path}" if " " not in what else f"  patches/{path}: {what}")
+    return 1 if failed else 0
 
 
 def cmd_prove(args: argparse.Namespace) -> int:
@@ -278,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--into", help="patch id that receives edits to files no patch touches")
     p.add_argument("--mcore-repo", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("regen", help="rewrite the context-only variants from the canonical patch")
+    p.add_argument("--patch", action="append", help="limit to these patch ids (repeatable)")
+    with_repo(p)
+    p.set_defaults(func=cmd_regen)
 
     p = sub.add_parser("prove", help="fail-before / pass-after of each patch's tests")
     p.add_argument("--baseline", action="append", help="limit to these baselines (repeatable)")

@@ -36,6 +36,8 @@ class Baseline:
     absent: dict[str, str] = field(default_factory=dict)
     # patch id -> where upstream fixed it its own way (DEP-3 Applied-Upstream: commit, PR)
     fixed_upstream: dict[str, str] = field(default_factory=dict)
+    # patch id -> why its variant here changes other lines than the canonical (variants.py)
+    backports: dict[str, str] = field(default_factory=dict)
     python: str = ""  # oldest Python a fork of this base installs on ("3.12"); "" = any
     same_code_as: str = ""  # the baseline whose variants / absent / fixed-upstream it shares
 
@@ -97,7 +99,7 @@ class Manifest:
         return self.root.parent / patch.proof if patch.proof else None
 
 
-_SHARED = ("variants", "absent", "fixed-upstream")
+_SHARED = ("variants", "absent", "fixed-upstream", "backports")
 
 
 def _str_list(value: object) -> list[str]:
@@ -191,6 +193,7 @@ def load(path: Path) -> Manifest:
                 fixed_upstream={
                     k: str(v) for k, v in dict(entry.get("fixed-upstream", {})).items()
                 },
+                backports={k: str(v) for k, v in dict(entry.get("backports", {})).items()},
                 python=str(entry.get("python", "")),
                 same_code_as=str(shared),
             )
@@ -204,7 +207,7 @@ def load(path: Path) -> Manifest:
             raise UserError(f"{path}: baseline {name}: source must be 'pypi' or 'git'")
         if b.python and not PYTHON_RE.match(b.python):
             raise UserError(f'{path}: baseline {name}: python must read like "3.12"')
-        unknown = (set(b.variants) | set(b.absent) | set(b.fixed_upstream)) - ids
+        unknown = (set(b.variants) | set(b.absent) | set(b.fixed_upstream) | set(b.backports)) - ids
         if unknown:
             raise UserError(f"{path}: baseline {name} names unknown patches {sorted(unknown)}")
         baselines[name] = b

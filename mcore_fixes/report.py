@@ -82,7 +82,20 @@ def markdown(manifest: Manifest, cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-def as_json(manifest: Manifest, cells: list[Cell]) -> str:
+def variants_text(kinds: list) -> str:
+    """One line per variant file: which baselines use it, context-only or backport (why)."""
+    if not kinds:
+        return ""
+    lines = ["", "variants:"]
+    for v in kinds:
+        line = f"  patches/{v.file} ({', '.join(v.baselines)}): {v.describe()}"
+        if v.reason:
+            line += f": {v.reason}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def as_json(manifest: Manifest, cells: list[Cell], kinds: list | None = None) -> str:
     data = {
         "baselines": [
             {
@@ -98,5 +111,6 @@ def as_json(manifest: Manifest, cells: list[Cell]) -> str:
             for p in manifest.patches
         ],
         "cells": [c.as_json() for c in cells],
+        "variants": [v.as_json() for v in kinds or []],
     }
     return json.dumps(data, indent=2)

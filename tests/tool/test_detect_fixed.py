@@ -7,7 +7,7 @@ import json
 import shutil
 import sys
 
-from toolworld import UTIL_V3, commit_all, git, snapshot, write
+from toolworld import UTIL_V3, commit_all, git, snapshot, upstream_branch, write
 
 # Upstream's own fix of join-sep's bug, written differently: join-sep conflicts, its proof passes.
 UTIL_V4 = UTIL_V3.replace(
@@ -65,15 +65,7 @@ def test_override_that_contradicts_the_pin_is_refused(world, project, tool, tmp_
 
 
 def _upstream_with_own_fix(world, tmp_path):
-    up = tmp_path / "up"
-    git(world.base, "clone", "-q", "--bare", str(world.upstream), str(up / ".git"))
-    work = tmp_path / "upwork"
-    git(world.base, "clone", "-q", str(up / ".git"), str(work))
-    git(work, "checkout", "-q", "core_v0.3.0")
-    write(work, "megatron/core/util.py", UTIL_V4)
-    commit = commit_all(work, "Let join_names take a separator (upstream's own way)")
-    git(work, "push", "-q", "origin", f"{commit}:refs/heads/v4")
-    return up / ".git", commit
+    return upstream_branch(world, tmp_path, "core_v0.3.0", {"megatron/core/util.py": UTIL_V4}, "v4")
 
 
 def _add_v4(project, commit, recorded: str = "") -> None:

@@ -24,7 +24,7 @@ def test_status_json_shape_and_states(world, project, tool):
     r = tool(project, "status", "--json", "--mcore-repo", world.upstream)
     assert r.rc == 0, r.err
     data = json.loads(r.out)
-    assert set(data) == {"baselines", "patches", "cells"}
+    assert set(data) == {"baselines", "patches", "cells", "variants"}
     assert [b["name"] for b in data["baselines"]] == [
         "0.1.0",
         "core_v0.1.1",

@@ -365,6 +365,23 @@ def tree_snapshot(root: Path) -> dict[str, str]:
     }
 
 
+def upstream_branch(
+    world: World, tmp: Path, tag: str, files: dict[str, str], branch: str
+) -> tuple[Path, str]:
+    """A private copy of the upstream (bare) with one more commit at `tag` writing `files`,
+    on `branch`; returns (its git dir, the commit)."""
+    up = tmp / "up" / ".git"
+    git(world.base, "clone", "-q", "--bare", str(world.upstream), str(up))
+    work = tmp / "upwork"
+    git(world.base, "clone", "-q", str(up), str(work))
+    git(work, "checkout", "-q", tag)
+    for rel, text in files.items():
+        write(work, rel, text)
+    commit = commit_all(work, f"Upstream change on {branch}")
+    git(work, "push", "-q", "origin", f"{commit}:refs/heads/{branch}")
+    return up, commit
+
+
 def build_world(base: Path) -> World:
     """Build the synthetic upstream, the toy series, the cached sdist and the template."""
     up = base / "upstream"

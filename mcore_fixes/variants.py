@@ -1,0 +1,220 @@
+"""Per-baseline variants: context-only copies of the canonical patch, or real backports.
+
+A variant is *context-only* when it changes exactly the lines its canonical patch changes (only
+the context and positions differ): then the tool owns it and `regen` rewrites it from the
+canonical patch on the baseline's tree, so it cannot drift. Any other variant is a *backport*
+and says so, with a reason, in the manifest's `backports` table of a baseline that uses it.
+A PyPI-only variant may leave out the test sections (those trees have no tests/): only its
+code is compared then.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import git
+from .errors import CheckFailed
+from .manifest import Baseline, Manifest, Patch
+from .series import apply_series, has_upstream_tests
+
+CONTEXT_ONLY = "context-only"
+BACKPORT = "backport"
+
+
+def sections(text: str) -> list[tuple[str, str]]:
+    """(path, section text) per `diff --git` section of a patch (b/ side)."""
+    out: list[tuple[str, str]] = []
+    start = text.find("diff --git ")
+    if start < 0:
+        return out
+    for chunk in text[start:].split("\ndiff --git ")[0:]:
+        body = chunk if chunk.startswith("diff --git ") else "diff --git " + chunk
+        first = body.splitlines()[0]
+        path = first.rpartition(" b/")[2]
+        out.append((path, body.rstrip("\n") + "\n"))
+    return out
+
+
+def changed_lines(text: str, tests: bool) -> Counter:
+    """The lines a patch removes and adds, per file (context, headers and positions left out)."""
+    lines: Counter = Counter()
+    for path, body in sections(text):
+        if path.startswith("tests/") != tests:
+            continue
+        in_hunk = False
+        for line in body.splitlines():
+            if line.startswith("@@"):
+                in_hunk = True
+            elif in_hunk and line[:1] in "+-":
+                lines[(path, line)] += 1
+    return lines
+
+
+def has_tests(text: str) -> bool:
+    return any(path.startswith("tests/") for path, _ in sections(text))
+
+
+@dataclass
+class Variant:
+    patch: str
+    file: str  # relative to patches/
+    baselines: list[str] = field(default_factory=list)
+    kind: str = CONTEXT_ONLY
+    differ: int = 0  # changed lines that differ from the canonical's
+    code_only: bool = False  # carries no test sections (PyPI-only)
+    reason: str = ""  # why it is a backport (the manifest's `backports`)
+
+    def describe(self) -> str:
+        if self.kind == CONTEXT_ONLY:
+            text = "context-only"
+        else:
+            text = f"backport, {self.differ} changed line(s) differ from the canonical"
+        if self.code_only:
+            text += " (code only)"
+        return text
+
+    def as_json(self) -> dict:
+        return {k: v for k, v in vars(self).items() if v not in ("", False)}
+
+
+def compare(canonical: str, variant: str) -> tuple[int, bool]:
+    """(changed lines that differ, code only) of a variant against its canonical patch."""
+    code_only = has_tests(canonical) and not has_tests(variant)
+    a, b = changed_lines(canonical, False), changed_lines(variant, False)
+    differ = sum(((a - b) + (b - a)).values())
+    if not code_only:
+        ta, tb = changed_lines(canonical, True), changed_lines(variant, True)
+        differ += sum(((ta - tb) + (tb - ta)).values())
+    return differ, code_only
+
+
+def variants(manifest: Manifest) -> list[Variant]:
+    """Every variant file of the series (once, with the baselines that use it), classified."""
+    found: dict[str, Variant] = {}
+    for b in manifest.baselines.values():
+        for p in manifest.patches:
+            rel = b.variants.get(p.id)
+            if rel is None or p.id in b.absent:
+                continue
+            v = found.setdefault(rel, Variant(patch=p.id, file=rel))
+            v.baselines.append(b.name)
+            v.reason = v.reason or b.backports.get(p.id, "")
+    for v in found.values():
+        canonical = manifest.root / manifest.patch(v.patch).file
+        path = manifest.root / v.file
+        if not canonical.is_file() or not path.is_file():
+            continue
+        v.differ, v.code_only = compare(
+            canonical.read_text(encoding="utf-8"), path.read_text(encoding="utf-8")
+        )
+        v.kind = BACKPORT if v.differ else CONTEXT_ONLY
+    return sorted(found.values(), key=lambda v: v.file)
+
+
+def drifted(manifest: Manifest) -> list[str]:
+    """Problems: a variant not declared a backport that is one, or a declared one that is not."""
+    problems: list[str] = []
+    for v in variants(manifest):
+        where = ", ".join(v.baselines)
+        if v.kind == BACKPORT and not v.reason:
+            problems.append(
+                f"patches/{v.file} ({where}) changes other lines than its canonical patch "
+                f"({v.differ} differ): run `python -m mcore_fixes regen`, or, if it is a real "
+                f'backport, say why in [baselines.<name>.backports] {v.patch} = "..."'
+            )
+        elif v.kind == CONTEXT_ONLY and v.reason:
+            problems.append(
+                f"patches/{v.file} ({where}) is declared a backport but changes exactly the "
+                "canonical's lines: drop it from `backports` (regen owns it)"
+            )
+    return problems
+
+
+def export_notes(manifest: Manifest, updated: list[str]) -> list[str]:
+    """After export rewrote canonical patches: their variants that may need the same change."""
+    notes: list[str] = []
+    canonical = {p.file: p for p in manifest.patches}
+    for rel in updated:
+        p = canonical.get(rel)
+        if p is None:
+            continue
+        for v in variants(manifest):
+            if v.patch != p.id:
+                continue
+            where = ", ".join(v.baselines)
+            if v.reason:
+                notes.append(
+                    f"  backport  patches/{v.file} ({where}) may need the same change by hand"
+                )
+            else:
+                notes.append(
+                    f"  regen     patches/{v.file} ({where}): context-only, run "
+                    "`python -m mcore_fixes regen`"
+                )
+    return notes
+
+
+def _without_tests(text: str) -> str:
+    head = text[: text.find("diff --git ")]
+    return head + "".join(body for path, body in sections(text) if not path.startswith("tests/"))
+
+
+def regen_variant(manifest: Manifest, b: Baseline, p: Patch, tree: Path) -> tuple[str, str]:
+    """Rewrite `b`'s variant of `p` from the canonical patch; return (file, what happened).
+
+    The canonical patch is relocated onto the tree just before `p` (the baseline's pristine
+    tree with the earlier patches applied) with GNU patch (fuzz allowed), committed with the
+    canonical's message and author, and written in the series' format-patch form.
+    """
+    rel = b.variants[p.id]
+    target = manifest.root / rel
+    canonical = (manifest.root / p.file).read_text(encoding="utf-8")
+    cells = apply_series(tree, manifest, b)
+    cell = next(c for c in cells if c.patch == p.id)
+    if not cell.base:
+        return rel, f"not regenerated: {cell.state} on {b.name} ({cell.detail})"
+    git.run(tree, "checkout", "-q", "-f", "--detach", cell.base)
+    git.run(tree, "clean", "-q", "-fdx")
+    text = canonical if has_upstream_tests(tree) else _without_tests(canonical)
+    if git.run(tree, "apply", "--check", "-", check=False, input=text.encode()).returncode == 0:
+        return rel, f"the canonical patch applies to {b.name} as is: drop this variant"
+    proc = subprocess.run(
+        ["patch", "-p1", "-F3", "--no-backup-if-mismatch", "-s", "-f"],
+        cwd=tree,
+        input=text,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        git.run(tree, "reset", "-q", "--hard")
+        git.run(tree, "clean", "-q", "-fdx")
+        first = (proc.stdout + proc.stderr).strip().splitlines()[:1]
+        raise CheckFailed(
+            f"patches/{rel}: the canonical patch does not relocate onto {b.name} "
+            f"({first[0] if first else 'patch failed'}): it is a backport; edit it by hand and "
+            f"declare it in [baselines.{b.name}.backports]"
+        )
+    git.run(tree, "add", "-A")
+    diff = git.run(tree, "diff", "--cached", "--binary", "--full-index", cell.base).stdout
+    git.run(tree, "reset", "-q", "--hard")
+    git.run(tree, "clean", "-q", "-fdx")
+    mbox = text[: text.find("diff --git ")] + diff
+    with tempfile.NamedTemporaryFile("w", suffix=".patch", delete=False) as f:
+        f.write(mbox)
+    try:
+        git.run(tree, "am", "-q", "--keep-cr", f.name, env=git.TOOL_IDENTITY)
+    finally:
+        Path(f.name).unlink()
+    new = git.run(tree, "format-patch", "-1", "HEAD", *git.FORMAT_PATCH_ARGS).stdout
+    differ, _ = compare(text, new)
+    if differ:
+        raise CheckFailed(f"patches/{rel}: relocating the canonical patch changed {differ} lines")
+    old = target.read_text(encoding="utf-8") if target.is_file() else ""
+    if old == new:
+        return rel, "unchanged"
+    target.write_text(new, encoding="utf-8")
+    return rel, "regenerated"

@@ -1,0 +1,115 @@
+"""Variants that cannot drift: context-only or declared backports, `regen`, export's notes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from toolworld import CALC_BUGGY, MAIN, PATCH_FILES, upstream_branch
+
+from mcore_fixes import manifest as manifest_mod
+from mcore_fixes import variants
+
+
+def test_series_variants_do_not_drift():
+    """The real series: every variant changes its canonical's lines, or says why it does not."""
+    m = manifest_mod.load(MAIN / "patches" / "manifest.toml")
+    assert variants.drifted(m) == []
+
+
+def _upstream_with_moved_context(world, tmp_path):
+    """A commit where fix-mean's context changed (the docstring): the canonical does not apply
+    as is, but relocates."""
+    calc = CALC_BUGGY.replace("Arithmetic mean of a non-empty sequence.", "Mean, reworded.")
+    files = {"megatron/core/calc.py": '"""Moved down a line."""\n' + calc}
+    return upstream_branch(world, tmp_path, "core_v0.1.1", files, "v5")
+
+
+def _add_v5(project, commit, backport: str = "") -> None:
+    text = (
+        f'\n[baselines.v5]\nsource = "git"\nref = "v5"\ncommit = "{commit}"\nversion = "0.5.0"\n'
+        'absent = { weak-test = "no constants.py" }\n'
+        'variants = { fix-mean = "v5/0001-fix-mean.patch" }\n'
+    )
+    if backport:
+        text += f'[baselines.v5.backports]\nfix-mean = "{backport}"\n'
+    with (project / "patches/manifest.toml").open("a") as f:
+        f.write(text)
+
+
+def test_drifted_variant_is_found_and_regen_restores_it(world, project, tool, tmp_path):
+    up, commit = _upstream_with_moved_context(world, tmp_path)
+    _add_v5(project, commit)
+    variant = project / "patches/v5/0001-fix-mean.patch"
+    variant.parent.mkdir()
+    canonical = (project / "patches" / PATCH_FILES["fix-mean"]).read_text()
+    # A hand edit that changes what the patch does: no longer the canonical's lines.
+    variant.write_text(canonical.replace("+    return total / len(values)", "+    return 0"))
+    m = manifest_mod.load(project / "patches/manifest.toml")
+    [v] = variants.variants(m)
+    assert (v.kind, v.differ, v.baselines) == ("backport", 2, ["v5"])
+    problems = variants.drifted(m)
+    assert len(problems) == 1 and "changes other lines than its canonical patch" in problems[0]
+
+    r = tool(project, "status", "--baseline", "v5", "--mcore-repo", up)
+    assert "patches/v5/0001-fix-mean.patch (v5): backport, 2 changed line(s) differ" in r.out
+
+    r = tool(project, "regen", "--mcore-repo", up)
+    assert r.rc == 0, r.out + r.err
+    assert "regenerated patches/v5/0001-fix-mean.patch" in r.out
+    m = manifest_mod.load(project / "patches/manifest.toml")
+    assert variants.drifted(m) == []
+    text = variant.read_text()
+    assert text != canonical and text.split("\n---\n")[0] == canonical.split("\n---\n")[0]
+    status = json.loads(
+        tool(project, "status", "--json", "--baseline", "v5", "--mcore-repo", up).out
+    )
+    cells = {c["patch"]: c["state"] for c in status["cells"]}
+    assert cells["fix-mean"] == "applies" and cells["join-sep"] == "applies"
+    assert status["variants"][0]["kind"] == "context-only"
+    # Again: nothing to do, byte for byte.
+    r = tool(project, "regen", "--mcore-repo", up)
+    assert "unchanged patches/v5/0001-fix-mean.patch" in r.out
+    # Without the checkout a git baseline's variant is left alone, and said so.
+    r = tool(world.project(tmp_path / "bare", prebuilt=False), "regen")
+    assert r.rc == 0
+
+
+def test_declared_backport_is_left_alone_and_export_names_it(world, project, tool, tmp_path):
+    up, commit = _upstream_with_moved_context(world, tmp_path)
+    _add_v5(project, commit, backport="v5 wants zero")
+    variant = project / "patches/v5/0001-fix-mean.patch"
+    variant.parent.mkdir()
+    canonical = (project / "patches" / PATCH_FILES["fix-mean"]).read_text()
+    variant.write_text(canonical.replace("+    return total / len(values)", "+    return 0"))
+    before = variant.read_text()
+    assert variants.drifted(manifest_mod.load(project / "patches/manifest.toml")) == []
+    r = tool(project, "regen", "--mcore-repo", up)
+    assert r.rc == 0 and variant.read_text() == before
+    r = tool(project, "status", "--baseline", "v5", "--mcore-repo", up)
+    assert "backport, 2 changed line(s) differ from the canonical: v5 wants zero" in r.out
+
+    # export of the canonical patch names the backport that may need the same change
+    assert tool(project, "vendor").rc == 0
+    calc = project / "megatron/core/calc.py"
+    calc.write_text(calc.read_text().replace("def double(x):", "def double(x):  # edited"))
+    r = tool(project, "export")
+    assert r.rc == 0, r.err
+    assert "updated   patches/0001-fix-mean.patch" in r.out
+    assert "backport  patches/v5/0001-fix-mean.patch (v5) may need the same change" in r.out
+
+
+def test_declared_backport_that_is_context_only_is_flagged(project):
+    variant = project / "patches/core_v0.2.0/0002-join-sep.patch"
+    variant.parent.mkdir()
+    shutil.copy(project / "patches" / PATCH_FILES["join-sep"], variant)
+    manifest = project / "patches/manifest.toml"
+    manifest.write_text(
+        manifest.read_text().replace(
+            '[baselines."core_v0.2.0"]\n',
+            '[baselines."core_v0.2.0"]\nvariants = { join-sep = "core_v0.2.0/0002-join-sep.patch" }'
+            '\nbackports = { join-sep = "not really" }\n',
+        )
+    )
+    [problem] = variants.drifted(manifest_mod.load(manifest))
+    assert "declared a backport but changes exactly the canonical's lines" in problem
