@@ -430,7 +430,7 @@ def lint_patches(
 
     `tree_or_skip(b)` gives the pristine tree repository of baseline `b`, or why it is skipped.
     """
-    from .series import APPLIES, apply_series, read_patch  # noqa: PLC0415 (import cycle)
+    from .series import APPLIES, CONFLICT, MISSING, apply_series, read_patch  # noqa: PLC0415
 
     failed = 0
     python: str | None = None
@@ -458,6 +458,13 @@ def lint_patches(
             n_fail = n_skip = n_commits = 0
             for cell in cells:
                 if cell.state != APPLIES:
+                    # with a checkout the question is "ready for upstream?": it must apply;
+                    # without one (formatters only) `status` is the place for applicability
+                    bad = cell.state in (CONFLICT, MISSING) and mcore_repo is not None
+                    n_fail += bad
+                    state = "FAIL" if bad else "-"
+                    what = f"{cell.state}: {cell.detail}"
+                    say(f"{b.name}  {cell.patch:<26} {'apply':<9} {state}  {what}")
                     continue
                 n_commits += 1
                 text = read_patch(manifest.root / cell.file)

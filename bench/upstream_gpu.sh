@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# On a GPU machine (the device): upstream's neighbouring suites pristine vs patched and the
+# carried tests under torchrun (`python -m mcore_fixes suites`), and, alongside on the CPU, the
+# fork wheel installed with `pip install --no-deps` and our CPU proofs run against it.
+#
+#   bash bench/upstream_gpu.sh DEV_DIR OUT
+#
+# DEV_DIR holds mlm-main.tar.gz (`git archive` of a full Megatron-LM main checkout), whl/*.whl
+# (packages the machine lacks, e.g. mock) and, optionally, fork/*.whl (a fork wheel built with
+# `pip wheel --no-deps .`). Writes suites-main.log, suites-main-report.md, suites-main-junit.tgz
+# and fork-wheel.log into OUT.
+set -uo pipefail
+dev=$(cd "$1" && pwd)
+out=$2
+proj=$(pwd)
+py=$(command -v python3)
+mkdir -p "$out" /opt/data # upstream's conftest downloads test data unless /opt/data exists
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if ls "$dev"/whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$dev"/whl/*.whl || exit
+    export PYTHONPATH=/tmp/site
+fi
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+{
+    nvidia-smi -L
+    python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'
+    git --version
+} 2>&1 | tee "$out/suites-main.log"
+
+fork_wheel() {
+    set -x
+    local whl
+    whl=$(ls "$dev"/fork/*.whl) || return
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fork "$whl" || return
+    cd /tmp || return # never the project root: its ./megatron must not shadow the package
+    PYTHONPATH=/tmp/fork:/tmp/site python3 - <<'EOF'
+import importlib.metadata as md
+import megatron.core
+print("megatron-core", md.version("megatron-core"), "from", megatron.core.__file__)
+EOF
+    PYTHONPATH=/tmp/fork:/tmp/site:$proj python3 -m mcore_fixes info
+    PYTHONPATH=/tmp/fork:/tmp/site timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        --noconftest -o addopts= "$proj"/tests/proofs/
+}
+if [ -d "$dev/fork" ]; then
+    fork_wheel >"$out/fork-wheel.log" 2>&1 &
+    fork_pid=$!
+fi
+
+python3 -m mcore_fixes suites "$dev/mlm-main.tar.gz" --baseline main --nproc "$ngpu" \
+    --python "$py" --out /tmp/suites-main --timeout "${SUITES_TIMEOUT:-330}" \
+    --pytest-args "--timeout=${TEST_TIMEOUT:-120}" 2>&1 | tee -a "$out/suites-main.log"
+cp /tmp/suites-main/report.md "$out/suites-main-report.md"
+tar czf "$out/suites-main-junit.tgz" -C /tmp/suites-main .
+if [ -n "${fork_pid:-}" ]; then
+    wait "$fork_pid"
+    echo "fork wheel check: exit $?" >>"$out/fork-wheel.log"
+fi
