@@ -180,7 +180,7 @@ def pr_description(
         messages[0].subject if len(messages) == 1 else f"Fix {fix}, in {len(messages)} commits"
     ]
     if depends:
-        parts.append(f"Depends on the PR of branch `{depends}` (its commits come first here).")
+        parts.append(f"Depends on the PR(s) of branch `{depends}` (their commits come first here).")
     if len(messages) > 1:
         listed = "\n".join(f"{i}. {m.subject}" for i, m in enumerate(messages, 1))
         parts.append(f"Commits (each applies, imports and passes its tests on its own):\n{listed}")
@@ -224,6 +224,7 @@ class Plan:
     branch: str
     patches: list[Patch]
     on: int | None  # the fix whose branch this one is built on
+    stacked: list[int] = field(default_factory=list)  # conflicts without these fixes' commits
 
 
 def plan(m: Manifest, only: list[int] | None) -> list[Plan]:
@@ -324,8 +325,8 @@ def export(
         if not git.ok(checkout, "cat-file", "-e", f"{base_commit}^{{commit}}"):
             raise UserError(f"{base_commit} ({m.canonical}) is not in {checkout}; git fetch there")
     b = baseline_for(m, checkout, base_commit)
-    plans = plan(m, only)
     all_plans = {p.fix: p for p in plan(m, None)}
+    plans = [all_plans[p.fix] for p in plan(m, only)]
     check_clobber(checkout, [p.branch for p in plans])
     tmpl = template(checkout, base_commit)
     made: list[tuple[str, str, Path]] = []
@@ -336,10 +337,25 @@ def export(
         linear = _linear(scratch, m, b, base_commit)
         tips: dict[int, str] = {}
 
+        order = list(all_plans)
+
         def tip_of(p: Plan) -> str:
             if p.fix not in tips:
                 start = tip_of(all_plans[p.on]) if p.on else base_commit
-                tips[p.fix] = _build(scratch, m, b, p, start, who, env, linear, tmp)
+                try:
+                    tips[p.fix] = _build(scratch, m, b, p, start, who, env, linear, tmp)
+                except CheckFailed:
+                    # needs the earlier fixes' code (touches the same lines): stack it on the
+                    # whole series before it, and say so in its description
+                    earlier = order[: order.index(p.fix)]
+                    if not earlier or p.on == earlier[-1]:
+                        raise
+                    p.on, p.stacked = earlier[-1], earlier
+                    stack_start = base_commit
+                    for fix in earlier:
+                        q = all_plans[fix]
+                        stack_start = _build(scratch, m, b, q, stack_start, who, env, linear, tmp)
+                    tips[p.fix] = _build(scratch, m, b, p, stack_start, who, env, linear, tmp)
             return tips[p.fix]
 
         for p in plans:
@@ -356,6 +372,8 @@ def export(
             messages = [parse_message(t) for t in texts]
             tests = sorted({f for t in texts for f in test_files(t)})
             depends = all_plans[p.on].branch if p.on else None
+            if p.stacked:
+                depends = ", ".join(f"`{all_plans[f].branch}`" for f in p.stacked).strip("`")
             desc = pr_description(
                 tmpl, p.fix, messages, tests, proven_on(root, m, p.patches), depends
             )

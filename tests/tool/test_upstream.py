@@ -76,7 +76,7 @@ def test_branches_per_fix_with_the_runners_identity(project, checkout, tool):
         project / "build" / "upstream" / "mcore-fixes-fix-1.md"
     ).read_text().strip() == desc.strip()
     desc2 = git(repo, "config", "branch.mcore-fixes/fix-2.description")
-    assert "Depends on the PR of branch `mcore-fixes/fix-1`" in desc2
+    assert "Depends on the PR(s) of branch `mcore-fixes/fix-1`" in desc2
 
 
 def test_again_replaces_only_its_own_branches(project, checkout, tool):
@@ -143,3 +143,22 @@ def test_message_keeps_upstream_trailers_only():
         "Co-authored-by: A <a@x>\nSigned-off-by: Jane Runner <jane@example.com>\n"
     )
     assert upstream.linked_issues([msg]) == ["Fixes #2777"]
+
+
+def test_a_fix_of_several_commits_is_one_branch(project, checkout, tool):
+    repo, base = checkout
+    manifest = project / "patches" / "manifest.toml"
+    text = manifest.read_text()
+    manifest.write_text(
+        text.replace(
+            'id = "weak-test"\nfile = "0003-weak-test.patch"\nfix = 3',
+            'id = "weak-test"\nfile = "0003-weak-test.patch"\nfix = 2',
+        )
+    )
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", base, "--fix", "2")
+    assert res.rc == 0, res.text
+    subjects = [c["s"] for c in _log(repo, f"{base}..mcore-fixes/fix-2")]
+    assert subjects == [SUBJECTS["weak-test"], SUBJECTS["join-sep"], SUBJECTS["fix-mean"]]
+    desc = git(repo, "config", "branch.mcore-fixes/fix-2.description")
+    assert "Commits (each applies, imports and passes its tests on its own):" in desc
+    assert "mcore-fixes/fix-1" not in git(repo, "branch")  # only what was asked for
