@@ -60,7 +60,7 @@ def _checkout_or_skip(session: nox.Session, baseline: str) -> None:
 @nox.session(tags=["ci"])
 def tool(session: nox.Session) -> None:
     """The tool's own tests: synthetic upstream repo, offline."""
-    session.install("pytest", *UPSTREAM_BLACK)
+    session.install("pytest", *UPSTREAM_BLACK, "setuptools>=64,<80", "pybind11")  # setup.py
     session.run("python", "-m", "pytest", "-q", "tests/tool", *session.posargs)
 
 

@@ -9,6 +9,7 @@ in `megatron/core/_mcore_fixes.json` and in the package summary (`python -m mcor
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +18,32 @@ from setuptools import Extension, find_namespace_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 INFO = ROOT / "megatron" / "core" / "_mcore_fixes.json"
+sys.path.insert(0, str(ROOT))
+from mcore_fixes.vendor import local_edits  # noqa: E402
 
 
 def vendored_info() -> dict:
+    """The vendored tree's record; `vendor` first if there is none (its report on stderr)."""
     if not INFO.exists():
-        subprocess.run([sys.executable, "-m", "mcore_fixes", "vendor"], cwd=ROOT, check=True)
+        vendor = [sys.executable, "-m", "mcore_fixes", "vendor"]
+        if subprocess.run(vendor, cwd=ROOT, stdout=sys.stderr).returncode != 0:
+            sys.exit("mcore-fixes: `python -m mcore_fixes vendor` failed (see above)")
     return json.loads(INFO.read_text())
+
+
+def clean_build_dirs() -> None:
+    """setuptools reuses build/lib*: files of a previously built baseline would ship too."""
+    for pattern in ("lib", "lib.*", "temp.*", "bdist.*"):
+        for path in (ROOT / "build").glob(pattern):
+            shutil.rmtree(path)
+
+
+def local_label() -> str:
+    """`.edited` for a tree with edits not exported into the patches (not what info says)."""
+    edits = local_edits(ROOT)
+    if edits is None:
+        sys.exit("mcore-fixes: an interrupted `vendor` left megatron/ half written; vendor again")
+    return ".edited" if edits else ""
 
 
 def package_data(top: Path) -> dict[str, list[str]]:
@@ -63,12 +84,13 @@ def fork_summary(info: dict) -> str:
     return "\n".join(lines) + "\n\n"
 
 
+clean_build_dirs()
 info = vendored_info()
 base = info["base_metadata"]
 applied = [p["id"] for p in info["applied"]]
 setup(
     name="megatron-core",
-    version=f"{info['version']}+fixes.{len(applied)}",
+    version=f"{info['version']}+fixes.{len(applied)}{local_label()}",
     description=(
         f"Megatron Core {info['baseline']} with the mcore-fixes series "
         f"({', '.join(applied) or 'no patch applicable'})"

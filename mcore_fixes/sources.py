@@ -95,7 +95,10 @@ def fetch_sdist(b: Baseline, progress: Progress) -> Path:
         cmd = [*pip_command(), "download", "--no-deps", "--no-binary", ":all:", "-q"]
         cmd += ["--python-version", PIP_TARGET_PYTHON, "--require-hashes"]
         proc = subprocess.run(
-            [*cmd, "-d", str(dest), "-r", str(requirements)], capture_output=True, text=True
+            [*cmd, "-d", str(dest), "-r", str(requirements)],
+            capture_output=True,
+            text=True,
+            env=pip_env(),
         )
         got = dest / sdist_name(b)
         output = proc.stderr + proc.stdout
@@ -118,9 +121,17 @@ def fetch_sdist(b: Baseline, progress: Progress) -> Path:
     return target
 
 
+def pip_env() -> dict[str, str]:
+    """The environment for pip, minus what pip's isolated build env adds (`pip install .` runs
+    setup.py there): its PYTHONPATH hides the interpreter's own site-packages, pip included."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+
+
 def pip_command() -> list[str]:
-    """pip of this interpreter, else the one on PATH (inside an isolated build env)."""
-    probe = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True)
+    """pip of this interpreter, else the one on PATH."""
+    probe = subprocess.run(
+        [sys.executable, "-m", "pip", "--version"], capture_output=True, env=pip_env()
+    )
     if probe.returncode == 0:
         return [sys.executable, "-m", "pip"]
     exe = shutil.which("pip") or shutil.which("pip3")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
+import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
 from test_bad_input import needs_pip, one_line
-from toolworld import sha256, tree_snapshot
+from toolworld import MAIN, sha256, tree_snapshot
 
 from mcore_fixes import sources
 from mcore_fixes.manifest import Baseline
@@ -140,3 +143,55 @@ def test_download_of_an_sdist_requiring_python_3_12(world, tmp_path, monkeypatch
     got = sources.fetch_sdist(b, Progress(False))
     assert got == cache / "sha256" / b.sha256 / sdist.name
     assert got.read_bytes() == sdist.read_bytes()
+
+
+BACKEND = """import os, subprocess, sys
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return []
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    # What setup.py does when megatron/ is absent, inside pip's isolated build environment.
+    proc = subprocess.run(
+        [sys.executable, "-m", "mcore_fixes", "--root", os.environ["PROJECT"], "vendor"],
+        cwd=os.environ["MAIN"], capture_output=True, text=True,
+    )
+    with open(os.environ["RESULT"], "w") as f:
+        f.write(f"{proc.returncode}\\n{proc.stderr}")
+    raise RuntimeError("done")
+"""
+
+
+@needs_pip
+def test_download_from_inside_pips_isolated_build_env(world, tmp_path):
+    """`pip install .` of a fresh clone: setup.py vendors inside pip's build isolation."""
+    links, cache, pkg = tmp_path / "links", tmp_path / "cache", tmp_path / "pkg"
+    links.mkdir()
+    pkg.mkdir()
+    shutil.copy(world.cache / SDIST, links / SDIST)
+    (pkg / "pyproject.toml").write_text(
+        '[build-system]\nrequires = []\nbuild-backend = "probe"\nbackend-path = ["."]\n'
+    )
+    (pkg / "probe.py").write_text(BACKEND)
+    project = world.project(tmp_path / "proj", prebuilt=False)
+    env = {
+        **os.environ,
+        "MCORE_FIXES_CACHE": str(cache),
+        "PIP_FIND_LINKS": str(links),
+        "PROJECT": str(project),
+        "MAIN": str(MAIN),
+        "RESULT": str(tmp_path / "result"),
+    }
+    pip = shutil.which("pip") or shutil.which("pip3")
+    subprocess.run(
+        [pip, "wheel", "--no-deps", "-q", "-w", str(tmp_path / "out"), str(pkg)],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    rc, _, err = (tmp_path / "result").read_text().partition("\n")
+    assert rc == "0", err
+    assert (project / "megatron/core/calc.py").exists()
+    assert (cache / "sha256" / world.sdist_sha / SDIST).exists()

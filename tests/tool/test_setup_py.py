@@ -1,0 +1,78 @@
+"""setup.py (`pip install .`): quiet `--version`, no stale build output, honest labels."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from toolworld import MAIN
+
+pytestmark = pytest.mark.skipif(
+    not (importlib.util.find_spec("setuptools") and importlib.util.find_spec("pybind11")),
+    reason="setup.py needs setuptools and pybind11 (the build requirements)",
+)
+
+
+@pytest.fixture
+def clone(world, tmp_path) -> Path:
+    """The toy project with this repository's setup.py, README.md and tool, nothing vendored."""
+    root = world.project(tmp_path / "clone")
+    for name in ("setup.py", "README.md"):
+        shutil.copy(MAIN / name, root / name)
+    shutil.copytree(
+        MAIN / "mcore_fixes", root / "mcore_fixes", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return root
+
+
+def version(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "setup.py", "-q", "--version"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_version_is_quiet_and_labels_unexported_edits(clone):
+    r = version(clone)  # vendors first: its report goes to stderr
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "0.1.0+fixes.3\n"
+    assert (clone / "megatron/core/calc.py").exists()
+    calc = clone / "megatron/core/calc.py"
+    calc.write_text(calc.read_text() + "# not exported\n")
+    assert version(clone).stdout == "0.1.0+fixes.3.edited\n"
+    (clone / "megatron/core/util.py").unlink()
+    calc.write_text(calc.read_text().replace("# not exported\n", ""))
+    assert version(clone).stdout == "0.1.0+fixes.3.edited\n"
+
+
+def test_stale_build_output_is_removed_and_our_state_kept(clone):
+    stale = [
+        clone / "build/lib/megatron/core/only_in_016.py",
+        clone / "build/lib.linux-x86_64-cpython-311/megatron/core/old.py",
+        clone / "build/bdist.linux-x86_64/wheel/x.py",
+        clone / "build/temp.linux-x86_64-cpython-311/helpers.o",
+    ]
+    for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("stale\n")
+    r = version(clone)
+    assert r.returncode == 0, r.stderr
+    assert not any(path.exists() for path in stale)
+    assert (clone / "build/vendor.json").exists() and (clone / "build/trees/0.1.0").is_dir()
+
+
+def test_vendor_failure_is_one_line(clone):
+    (clone / "patches/0001-fix-mean.patch").write_text("garbage\n")
+    r = version(clone)
+    assert r.returncode != 0 and r.stdout == ""
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "mcore-fixes: `python -m mcore_fixes vendor` failed (see above)"
+    )
