@@ -48,10 +48,11 @@ SUITES = (
 )
 STATES = ("pristine", "tests-only", "patched")
 _TE_IMPORT = re.compile(
-    r"^(from transformer_engine[\w.]* import [^()\n]+|import transformer_engine[\w.]*)$", re.M
+    r"^(from transformer_engine[\w.]* import [^()\n]+"
+    r"|import transformer_engine[\w.]*(?: as \w+)?)$",
+    re.M,
 )
 _TEST_DEF = re.compile(r"^\+(\s*)(?:async )?def (test_\w+)\(", re.M)
-_CLASS_DEF = re.compile(r"^[ +](\s*)class (\w+)", re.M)
 
 # Per-rank junit file: pytest's --junitxml would have every rank write the same path.
 RANK_PLUGIN = """import os
@@ -65,6 +66,11 @@ def pytest_configure(config):
     path = getattr(config.option, "xmlpath", None)
     if path:
         config.option.xmlpath = path.replace(".xml", f".rank{rank}.xml")
+    # one base per run and rank: upstream's tmp_path_dist_ckpt is basetemp/../.. + tmp_dist_ckpt,
+    # shared by the ranks of a run, never by two runs at once
+    base = os.environ.get("MCORE_FIXES_BASETEMP")
+    if base:
+        config.option.basetemp = os.path.join(base, "run", f"rank{rank}")
 """
 
 TE_GUARD = (
@@ -293,7 +299,9 @@ def run_suites(
                 [str(work / state), str(plugin_dir), *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
             "PYTHONDONTWRITEBYTECODE": "1",
+            "MCORE_FIXES_BASETEMP": str(work / f"tmp-{state}"),
         }
+        (work / f"tmp-{state}" / "run").mkdir(parents=True, exist_ok=True)
         logs[state] = (out / f"{state}.log").open("w")
         logs[state].write("$ " + " ".join(cmd) + "\n")
         logs[state].flush()
