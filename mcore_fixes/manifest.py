@@ -136,6 +136,10 @@ def load(path: Path) -> Manifest:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"manifest not found: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:  # a directory, unreadable, ...
+        raise UserError(f"{path}: cannot read the manifest ({exc.strerror})") from None
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"{path}: invalid TOML: {exc}") from None
 

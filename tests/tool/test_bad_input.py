@@ -382,3 +382,15 @@ def test_manifest_not_found(tmp_path, tool):
     r = tool(tmp_path, "status")
     assert r.rc == 2
     assert f"manifest not found: {tmp_path / 'patches' / 'manifest.toml'}" in one_line(r.err)
+
+
+def test_manifest_not_utf8_or_a_directory(tmp_path, tool):
+    manifest = tmp_path / "patches" / "manifest.toml"
+    manifest.parent.mkdir()
+    manifest.write_bytes(b'canonical = "caf\xe9"\n')
+    r = tool(tmp_path, "status")
+    assert r.rc == 2 and "manifest.toml: not UTF-8 text" in one_line(r.err)
+    manifest.unlink()
+    manifest.mkdir()
+    r = tool(tmp_path, "status")
+    assert r.rc == 2 and "cannot read the manifest (Is a directory)" in one_line(r.err)
