@@ -245,3 +245,18 @@ def test_apply_read_only_checkout(world, project, tool, tmp_path):
             path.chmod(path.stat().st_mode | 0o200)
     assert r.rc == 2 and "is not writable" in r.err and "fix-mean" not in r.err
     assert snapshot(co) == before
+
+
+def test_apply_to_sparse_and_shallow_clones(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    git(co, "sparse-checkout", "set", "megatron")  # the patches' tests stay out of the tree
+    r = tool(project, "apply", co)
+    assert r.rc == 0 and r.out.count(": committed") == 3, r.err
+    assert git(co, "status", "--porcelain").strip() == "" and not (co / "tests").exists()
+    assert TEST_FILES["fix-mean"] in git(co, "ls-files")
+    shallow = tmp_path / "shallow"
+    url = f"file://{world.upstream}"
+    git(tmp_path, "clone", "-q", "--depth", "1", "-b", "core_v0.1.0", url, str(shallow))
+    r = tool(project, "apply", shallow)
+    assert r.rc == 0 and r.out.count(": committed") == 3, r.err
+    assert git(shallow, "rev-list", "--count", "HEAD").strip() == "4"
