@@ -179,23 +179,21 @@ def _recover(checkout: Path, state: Path) -> str:
     if not journal.exists():
         shutil.rmtree(state, ignore_errors=True)  # a scratch index of a killed check
         return ""
-    try:
+    try:  # written (atomically) before the checkout moves: unreadable means it never moved
         record = json.loads(journal.read_text())
-        orig, new = record["orig"], record["new"]
+        orig, new = str(record["orig"]), str(record["new"])
     except (ValueError, KeyError, TypeError):
-        raise UserError(f"{journal}: unreadable journal of an interrupted apply") from None
+        orig = new = ""
     head = git.out(checkout, "rev-parse", "HEAD")
     index_tree = git.run(checkout, "write-tree", check=False).stdout.strip()
-    new_tree = git.out(checkout, "rev-parse", f"{new}^{{tree}}")
+    new_tree = git.run(checkout, "rev-parse", "-q", "--verify", f"{new}^{{tree}}", check=False)
+    new_tree = new_tree.stdout.strip() if new else ""
     what = "an interrupted apply was undone before it changed anything"
     with _signals_held():
-        if head == orig and index_tree == new_tree:
+        if new_tree and head == orig and index_tree == new_tree:  # between the two steps
             git.run(checkout, "update-ref", "-m", "mcore_fixes apply", "HEAD", new, orig)
             what = "an interrupted apply was completed"
-        elif head == new and index_tree != new_tree:
-            git.run(checkout, "read-tree", "-m", "-u", orig, new)
-            what = "an interrupted apply was completed"
-        elif head == new:
+        elif new and head == new:
             what = "an interrupted apply had completed"
         journal.unlink()
     shutil.rmtree(state, ignore_errors=True)
@@ -224,7 +222,7 @@ def _apply(
             report.append((p.id, f"absent on {b.name}: {b.absent[p.id]}"))
             continue
         text = read_patch(path)
-        if not todo and git.ok(checkout, "apply", "--cached", "-R", "--check", str(path), env=env):
+        if git.ok(checkout, "apply", "--cached", "-R", "--check", str(path), env=env):
             report.append((p.id, "already applied"))
             continue
         proc = git.run(checkout, "apply", "--cached", str(path), check=False, env=env)
@@ -266,7 +264,8 @@ def _apply(
         return _ordered(manifest, report, todo, "staged in the index and work tree (not committed)")
 
     new = _commit_chain(checkout, orig, todo, state)
-    (state / JOURNAL).write_text(json.dumps({"orig": orig, "new": new}) + "\n")
+    (state / "journal.tmp").write_text(json.dumps({"orig": orig, "new": new}) + "\n")
+    os.replace(state / "journal.tmp", state / JOURNAL)
     with _signals_held():
         proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
         if proc.returncode == 0:

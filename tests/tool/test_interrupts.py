@@ -175,3 +175,14 @@ def test_status_killed_inside_a_tree_recovers(world, project, tmp_path):
         assert r.rc == 0, r.err
     assert not (tree / ".git" / "rebase-apply").exists()
     assert not list((tree / ".git").glob("*.lock"))
+
+
+def test_apply_after_a_kill_while_writing_the_journal(world, project, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    state = state_dir(co)
+    state.mkdir()
+    (state / "apply.json").write_text('{"orig": "12')  # cut short
+    (state / "index").write_text("scratch")
+    r = run_module(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert count(co) == 3 and not state.exists()
