@@ -132,6 +132,7 @@ def _branch_names(checkout: Path) -> set[str]:
 STATE_DIR = "mcore-fixes"  # inside the checkout's git dir: scratch index and journal
 JOURNAL = "apply.json"  # {"orig": HEAD before, "new": HEAD after}, while the checkout moves
 Todo = list[tuple[str, Path, str]]  # (patch id, patch file, its text)
+APPLY = ("apply", "--whitespace=nowarn")  # the user's apply.whitespace=error is for their diffs
 
 
 def apply(manifest: Manifest, checkout: Path, b: Baseline, commit: bool) -> list[tuple[str, str]]:
@@ -222,10 +223,10 @@ def _apply(
             report.append((p.id, f"absent on {b.name}: {b.absent[p.id]}"))
             continue
         text = read_patch(path)
-        if git.ok(checkout, "apply", "--cached", "-R", "--check", str(path), env=env):
+        if git.ok(checkout, *APPLY, "--cached", "-R", "--check", str(path), env=env):
             report.append((p.id, "already applied"))
             continue
-        proc = git.run(checkout, "apply", "--cached", str(path), check=False, env=env)
+        proc = git.run(checkout, *APPLY, "--cached", str(path), check=False, env=env)
         if proc.returncode != 0 and p.id in b.fixed_upstream:  # the rest of the series goes on
             report.append((p.id, f"fixed upstream ({b.fixed_upstream[p.id]}), skipped"))
             continue
@@ -242,7 +243,7 @@ def _apply(
     touched = sorted({t for _, _, text in todo for t in git.touched_paths(text)})
     dirty = git.out(checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched)
     if dirty:
-        if git.ok(checkout, "apply", "--index", "-R", "--check", *files):
+        if git.ok(checkout, *APPLY, "--index", "-R", "--check", *files):
             if not commit:
                 return _ordered(manifest, report, todo, "already applied (staged, not committed)")
             raise CheckFailed(
@@ -258,7 +259,7 @@ def _apply(
 
     if not commit:
         with _signals_held():
-            proc = git.run(checkout, "apply", "--index", *files, check=False)
+            proc = git.run(checkout, *APPLY, "--index", *files, check=False)
         if proc.returncode != 0:
             raise CheckFailed(f"git apply failed, {checkout} left unchanged: {proc.stderr.strip()}")
         return _ordered(manifest, report, todo, "staged in the index and work tree (not committed)")
@@ -294,7 +295,7 @@ def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
         fields = dict(line.split(": ", 1) for line in info.splitlines() if ": " in line)
         body = f"{fields.get('Subject', '')}\n\n{msg.read_text(encoding='utf-8')}"
         message = git.run(checkout, "stripspace", input=body.encode()).stdout
-        git.run(checkout, "apply", "--cached", str(path), env=index)
+        git.run(checkout, *APPLY, "--cached", str(path), env=index)
         tree = git.out(checkout, "write-tree", env=index)
         author = {
             "GIT_AUTHOR_NAME": fields.get("Author", ""),

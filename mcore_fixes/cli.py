@@ -386,3 +386,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `status | head`
         sys.stderr.close()
         return 0
+    except OSError as exc:  # permission denied, disk full, read-only file system, ...
+        print(f"mcore_fixes: error: {exc}", file=sys.stderr)
+        return 2

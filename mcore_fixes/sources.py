@@ -86,7 +86,13 @@ def fetch_sdist(b: Baseline, progress: Progress) -> Path:
             if actual == b.sha256:
                 return candidate
             ignored = f"the cached {candidate} has sha256 {actual}, not the pin; left alone. "
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(
+            f"the download cache {cache} is not a usable directory ({exc.strerror}); "
+            "set MCORE_FIXES_CACHE to another one"
+        ) from None
     progress.step(f"downloading megatron-core=={b.version} sdist with pip")
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         requirements = Path(tmp) / "requirements.txt"
@@ -252,9 +258,10 @@ def pristine_tree(b: Baseline, trees: Path, mcore_repo: Path | None, progress: P
         env = git.TOOL_IDENTITY
         git.run(tmp, "commit", "-q", "--no-verify", "-m", f"pristine {b.name}", env=env)
         git.run(tmp, "tag", "pristine")
-        if tree.exists():
-            shutil.rmtree(tree)
+        if tree.exists():  # renamed away first: a kill never leaves half a tree with its pin
+            os.replace(tree, trees / f".{b.name}.retired")
         os.replace(tmp, tree)
+        shutil.rmtree(trees / f".{b.name}.retired", ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from toolworld import MAIN, git, run_module, snapshot, tree_snapshot, write
 
@@ -65,3 +66,23 @@ def test_status_from_a_pre_commit_hook_keeps_the_users_commit(world, project, tm
     assert git(repo, "status", "--porcelain").strip() == ""
     for tree in (project / "build" / "trees").glob("[!.]*"):
         assert git(tree, "status", "--porcelain").strip() == ""
+
+
+def test_users_apply_config_and_a_cache_that_is_a_file(world, project, tmp_path):
+    patch = project / "patches" / "0003-weak-test.patch"
+    patch.write_text(patch.read_text().replace("+ANSWER = 42\n", "+ANSWER = 42 \n"))
+    cfg = tmp_path / "gitconfig"
+    cfg.write_text(
+        Path(os.environ["GIT_CONFIG_GLOBAL"]).read_text() + "[apply]\n\twhitespace = error\n"
+    )
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    r = run_module(project, "apply", co, env={**os.environ, "GIT_CONFIG_GLOBAL": str(cfg)})
+    assert r.rc == 0 and r.out.count(": committed") == 3, r.err
+
+    fresh = world.project(tmp_path / "fresh", prebuilt=False)
+    not_a_dir = tmp_path / "cache-file"
+    not_a_dir.write_text("x")
+    r = run_module(fresh, "vendor", env={**os.environ, "MCORE_FIXES_CACHE": str(not_a_dir)})
+    assert r.rc == 2 and "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1
+    assert f"the download cache {not_a_dir} is not a usable directory" in r.err
+    assert not_a_dir.read_text() == "x"
