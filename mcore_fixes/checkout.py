@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 from . import git, sources
@@ -161,19 +158,6 @@ def apply(manifest: Manifest, checkout: Path, b: Baseline, commit: bool) -> list
     return ([("(recovery)", recovered)] if recovered else []) + report
 
 
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """SIGINT/SIGTERM/SIGHUP wait (for git's children too) until the block is done."""
-    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        while signal.sigtimedwait(held, 0) is not None:  # the run is complete: drop them
-            pass
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def _recover(checkout: Path, state: Path) -> str:
     """Finish (or find undone) an apply that was killed while moving the checkout."""
     journal = state / JOURNAL
@@ -190,7 +174,7 @@ def _recover(checkout: Path, state: Path) -> str:
     new_tree = git.run(checkout, "rev-parse", "-q", "--verify", f"{new}^{{tree}}", check=False)
     new_tree = new_tree.stdout.strip() if new else ""
     what = "an interrupted apply was undone before it changed anything"
-    with _signals_held():
+    with git.signals_held():
         if new_tree and head == orig and index_tree == new_tree:  # between the two steps
             git.run(checkout, "update-ref", "-m", "mcore_fixes apply", "HEAD", new, orig)
             what = "an interrupted apply was completed"
@@ -258,7 +242,7 @@ def _apply(
         raise CheckFailed(f"{checkout} has staged changes; commit or unstage them first")
 
     if not commit:
-        with _signals_held():
+        with git.signals_held():
             proc = git.run(checkout, *APPLY, "--index", *files, check=False)
         if proc.returncode != 0:
             raise CheckFailed(f"git apply failed, {checkout} left unchanged: {proc.stderr.strip()}")
@@ -267,7 +251,7 @@ def _apply(
     new = _commit_chain(checkout, orig, todo, state)
     (state / "journal.tmp").write_text(json.dumps({"orig": orig, "new": new}) + "\n")
     os.replace(state / "journal.tmp", state / JOURNAL)
-    with _signals_held():
+    with git.signals_held():
         proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
         if proc.returncode == 0:
             ref = git.run(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import UserError
@@ -65,6 +68,19 @@ def environment(repo: Path, env: dict[str, str] | None = None) -> dict[str, str]
     base = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") or k in keep}
     neutral = NEUTRAL_CONFIG if tool_tree else {}
     return {**base, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", **neutral, **(env or {})}
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT/SIGTERM/SIGHUP wait (for git's children too) until the block is done."""
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        while signal.sigtimedwait(held, 0) is not None:  # the run is complete: drop them
+            pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def run(

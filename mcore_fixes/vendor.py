@@ -260,6 +260,7 @@ def export(
     shas = git.out(tree, "rev-list", "--reverse", "pristine..HEAD").splitlines()
     applied = [c for c in cells if c.state == "applies"]
     results: list[tuple[str, str]] = []
+    new_texts: dict[Path, str] = {}
     for cell, sha in zip(applied, shas, strict=True):
         target = manifest.root / cell.file
         owned = b.variants.get(cell.patch) == cell.file or b.name == manifest.canonical
@@ -283,10 +284,15 @@ def export(
         text = git.run(tree, "format-patch", "-1", sha, *git.FORMAT_PATCH_ARGS).stdout
         changed = target.read_text(encoding="utf-8") != text
         if changed:
-            target.write_text(text, encoding="utf-8")
+            new_texts[target] = text
         results.append((cell.file, "updated" if changed else "unchanged"))
+    for target, text in new_texts.items():  # the patch files change together, or none does
+        target.with_suffix(".patch.tmp").write_text(text, encoding="utf-8")
     state = _load_state(root)
     assert state is not None
     state["files"] = _hash_tree(root, ["megatron"], state["test_files"])
-    _write_state(root, state)
+    with git.signals_held():
+        for target in new_texts:
+            os.replace(target.with_suffix(".patch.tmp"), target)
+        _write_state(root, state)
     return results
