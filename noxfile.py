@@ -1,7 +1,9 @@
 """nox sessions: the series proven on every MCore baseline of patches/manifest.toml.
 
-    nox -l                      the matrix: one `tests` and one `prove` session per baseline
-    nox                         what CI runs (git baselines skip without a Megatron-LM checkout)
+    nox -l                      the sessions; `prove(<baseline>)` and `tests(<baseline>)` per
+                                baseline (not run by default)
+    nox                         what CI runs: tool, lint, proofs (every baseline in one venv and
+                                one tool process; git baselines skip without a checkout)
     MCORE_REPO=~/Megatron-LM nox -s "prove(main)"
 
 Environments use uv. torch is always installed first, pinned (MCORE_FIXES_TORCH, default
@@ -38,11 +40,9 @@ if "PIP_FIND_LINKS" in os.environ:
 os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
 
 
-def _install_torch_env(session: nox.Session, baseline: str) -> None:
-    session.install(TORCH, *TEST_DEPS)
-    b = MANIFEST.baselines[baseline]
-    if tuple(map(int, b.version.split(".")[:2])) >= (0, 18):
-        session.install("triton")
+def _install_torch_env(session: nox.Session) -> None:
+    # triton: 0.18.2+ import it unguarded; psutil: the proofs' forked worlds.
+    session.install(TORCH, *TEST_DEPS, "triton", "psutil")
 
 
 def _checkout_or_skip(session: nox.Session, baseline: str) -> None:
@@ -83,21 +83,34 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(tags=["ci"])
-@nox.parametrize("baseline", BASELINES, ids=BASELINES)
-def tests(session: nox.Session, baseline: str) -> None:
-    """The series' regression tests on the fully patched baseline."""
-    _checkout_or_skip(session, baseline)
-    _install_torch_env(session, baseline)
-    session.run("python", "-m", "mcore_fixes", "test", "--baseline", baseline, *session.posargs)
+def proofs(session: nox.Session) -> None:
+    """Every patch proven on every baseline (one venv; --jobs baselines at once)."""
+    _install_torch_env(session)
+    jobs = os.environ.get("MCORE_FIXES_JOBS", str(os.cpu_count() or 1))
+    timing = ROOT / "build" / "ci-proofs.json"
+    args = ("--jobs", jobs, "--timing", str(timing), *session.posargs)
+    session.run("python", "-m", "mcore_fixes", "prove", *args)
 
 
-@nox.session(tags=["ci"])
+@nox.session(default=False)
 @nox.parametrize("baseline", BASELINES, ids=BASELINES)
 def prove(session: nox.Session, baseline: str) -> None:
-    """Fail-before / pass-after of every patch on this baseline."""
+    """Fail-before / pass-after of every patch on this baseline (CI runs `proofs`)."""
     _checkout_or_skip(session, baseline)
-    _install_torch_env(session, baseline)
+    _install_torch_env(session)
     session.run("python", "-m", "mcore_fixes", "prove", "--baseline", baseline, *session.posargs)
+
+
+@nox.session(default=False)
+@nox.parametrize("baseline", BASELINES, ids=BASELINES)
+def tests(session: nox.Session, baseline: str) -> None:
+    """The tests the patches carry (upstream's layer, CUDA), on the patched baseline.
+
+    Most skip without a GPU; not in CI (the CPU proofs run in `proofs`).
+    """
+    _checkout_or_skip(session, baseline)
+    _install_torch_env(session)
+    session.run("python", "-m", "mcore_fixes", "test", "--baseline", baseline, *session.posargs)
 
 
 @nox.session(default=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.metadata
 import importlib.util
 import json
@@ -169,16 +170,24 @@ def cmd_prove(args: argparse.Namespace) -> int:
     progress = Progress()
     for patch_id in args.patch or []:
         m.patch(patch_id)
-    cells: list[Cell] = []
     runs = Runs()
-    for b in _selected(m, args.baseline):
+
+    def one(b: Baseline) -> list[Cell]:
         tree = _tree_or_skip(args, b, progress)
         if isinstance(tree, str):
             print(f"baseline {b.name} skipped: {tree}", file=sys.stderr)
-            cells += [Cell(p.id, b.name, SKIPPED, detail=tree) for p in m.patches]
-            continue
-        cells += prove_baseline(args.root, m, b, tree, args.python, args.patch, progress, runs)
+            return [Cell(p.id, b.name, SKIPPED, detail=tree) for p in m.patches]
+        return prove_baseline(args.root, m, b, tree, args.python, args.patch, progress, runs)
+
+    # Baselines are independent trees: --jobs of them at once (sdists are fetched first).
+    selected = _selected(m, args.baseline)
+    for b in selected:
+        _tree_or_skip(args, b, progress)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        cells = [c for row in pool.map(one, selected) for c in row]
     print(runs.summary(), file=sys.stderr)
+    if args.timing:
+        Path(args.timing).write_text(json.dumps(runs.as_json(), indent=1) + "\n")
     print(report.markdown(m, cells) if args.markdown else report.table(m, cells))
     fine = ("proven", "fixed-upstream", "fails-unpatched")  # the latter: a conflict, said so
     bad = [c for c in cells if c.proof and c.proof.get("verdict") not in fine]
@@ -326,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patch", action="append", help="limit to these patch ids (repeatable)")
     p.add_argument("--python", default=sys.executable, help="interpreter with torch + pytest")
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("-j", "--jobs", type=int, default=1, help="baselines proven at once")
+    p.add_argument("--timing", help="write the pytest processes' timings (JSON) to this file")
     with_repo(p)
     p.set_defaults(func=cmd_prove)
 
