@@ -19,6 +19,7 @@ from setuptools import Extension, find_namespace_packages, setup
 ROOT = Path(__file__).resolve().parent
 INFO = ROOT / "megatron" / "core" / "_mcore_fixes.json"
 sys.path.insert(0, str(ROOT))
+from mcore_fixes.errors import UserError  # noqa: E402
 from mcore_fixes.vendor import local_edits  # noqa: E402
 
 
@@ -40,7 +41,10 @@ def clean_build_dirs() -> None:
 
 def local_label() -> str:
     """`.edited` for a tree with edits not exported into the patches (not what info says)."""
-    edits = local_edits(ROOT)
+    try:
+        edits = local_edits(ROOT)
+    except UserError as exc:  # e.g. a corrupt build/vendor.json
+        sys.exit(f"mcore-fixes: {exc}")
     if edits is None:
         sys.exit("mcore-fixes: an interrupted `vendor` left megatron/ half written; vendor again")
     return ".edited" if edits else ""

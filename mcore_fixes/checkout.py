@@ -260,6 +260,8 @@ def _apply(
             if ref.returncode != 0:  # HEAD moved meanwhile: put the files back
                 git.run(checkout, "read-tree", "-m", "-u", new, orig, check=False)
                 proc = ref
+            else:  # as `git am` does: `git reset --hard ORIG_HEAD` undoes the series
+                git.run(checkout, "update-ref", "ORIG_HEAD", orig, check=False)
         (state / JOURNAL).unlink()
     if proc.returncode != 0:
         raise CheckFailed(f"{checkout} left unchanged: git failed: {proc.stderr.strip()}")

@@ -94,7 +94,11 @@ def fetch_sdist(b: Baseline, progress: Progress) -> Path:
             "set MCORE_FIXES_CACHE to another one"
         ) from None
     progress.step(f"downloading megatron-core=={b.version} sdist with pip")
-    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+    for stale in cache.glob(".download-*"):  # of a killed run: nobody holds its lock
+        with _dir_lock(stale, wait=False) as mine:
+            if mine:
+                shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp, _dir_lock(Path(tmp)):
         requirements = Path(tmp) / "requirements.txt"
         requirements.write_text(f"megatron-core=={b.version} --hash=sha256:{b.sha256}\n")
         dest = Path(tmp) / "files"
@@ -211,6 +215,25 @@ def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Pro
     with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
         safe_extract(tar, dest, strip=0, keep=GIT_PATHS)
     return b.commit
+
+
+@contextlib.contextmanager
+def _dir_lock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive flock on a directory (no file created); yields whether it was taken."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            taken = True
+        except BlockingIOError:
+            taken = False
+        yield taken
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ def test_apply_detects_by_version_and_commits_each_patch(world, project, tool, t
     for pid in ("fix-mean", "join-sep", "weak-test"):
         assert f"  {pid}: committed" in r.out
     assert git(co, "rev-list", "--count", f"{base}..HEAD").strip() == "3"
+    assert git(co, "rev-parse", "ORIG_HEAD").strip() == base  # `reset --hard ORIG_HEAD` undoes
     assert git(co, "symbolic-ref", "HEAD").strip() == "refs/heads/work"
     expected = [
         f"{AUTHORS[p][0]} <{AUTHORS[p][1]}>|{AUTHORS[p][2]}|{SUBJECTS[p]}"

@@ -6,6 +6,7 @@ command, so that it is killed (or sent SIGINT) exactly there.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -186,3 +187,36 @@ def test_apply_after_a_kill_while_writing_the_journal(world, project, tmp_path):
     r = run_module(project, "apply", co)
     assert r.rc == 0, r.err
     assert count(co) == 3 and not state.exists()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("pip") is not None or shutil.which("pip") is None,
+    reason="needs the pip on PATH (this interpreter has its own)",
+)
+def test_download_killed_leaves_nothing_the_next_run_keeps(world, tmp_path):
+    cache, links = tmp_path / "cache", tmp_path / "links"
+    links.mkdir()
+    shutil.copy(world.cache / "megatron_core-0.1.0.tar.gz", links)
+    project = world.project(tmp_path / "proj", prebuilt=False)
+    bin_dir = tmp_path / "pipbin"
+    bin_dir.mkdir()
+    (bin_dir / "pip").write_text(WRAPPER.replace("REAL_GIT", "REAL_PIP"))
+    (bin_dir / "pip").chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "REAL_PIP": shutil.which("pip"),
+        "STOP_AT": "download",
+        "STOP_FOR": "30",
+        "REACHED": str(tmp_path / "reached"),
+        "MCORE_FIXES_CACHE": str(cache),
+        "PIP_FIND_LINKS": str(links),
+    }
+    proc = start(project, "vendor", env=env)
+    wait_reached(env, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert [p.name[:10] for p in cache.iterdir()] == [".download-"]
+    r = run_module(project, "vendor", env={**env, "STOP_AT": "no-such-command"})
+    assert r.rc == 0, r.err
+    assert sorted(p.name for p in cache.iterdir()) == ["sha256"]

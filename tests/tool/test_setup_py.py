@@ -76,3 +76,11 @@ def test_vendor_failure_is_one_line(clone):
     assert r.stderr.strip().splitlines()[-1] == (
         "mcore-fixes: `python -m mcore_fixes vendor` failed (see above)"
     )
+
+
+def test_corrupt_vendor_state_is_one_line(clone):
+    assert version(clone).returncode == 0
+    (clone / "build/vendor.json").write_text("{")
+    r = version(clone)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "vendor.json is corrupt" in r.stderr.strip().splitlines()[-1]
