@@ -177,7 +177,9 @@ def cmd_prove(args: argparse.Namespace) -> int:
         if isinstance(tree, str):
             print(f"baseline {b.name} skipped: {tree}", file=sys.stderr)
             return [Cell(p.id, b.name, SKIPPED, detail=tree) for p in m.patches]
-        return prove_baseline(args.root, m, b, tree, args.python, args.patch, progress, runs)
+        return prove_baseline(
+            args.root, m, b, tree, args.python, args.patch, progress, runs, args.changed
+        )
 
     # Baselines are independent trees: --jobs of them at once (sdists are fetched first).
     selected = _selected(m, args.baseline)
@@ -336,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default=sys.executable, help="interpreter with torch + pytest")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("-j", "--jobs", type=int, default=1, help="baselines proven at once")
+    p.add_argument(
+        "--changed", action="store_true", help="keep stored proofs that still hold; prove the rest"
+    )
     p.add_argument("--timing", help="write the pytest processes' timings (JSON) to this file")
     with_repo(p)
     p.set_defaults(func=cmd_prove)

@@ -250,14 +250,26 @@ def prove_baseline(
     only: list[str] | None,
     progress: Progress,
     runs: Runs | None = None,
+    changed: bool = False,
 ) -> list[Cell]:
-    """Prove every applicable patch of `b` (or those in `only`); results go to build/proofs/."""
+    """Prove every applicable patch of `b` (or those in `only`); results go to build/proofs/.
+
+    `changed`: keep the stored proofs that still hold (same pin, diffs and proof code) and
+    prove only the others.
+    """
     check_python(python)
     runs = runs if runs is not None else Runs()
     cells = apply_series(tree, manifest, b)
     head = git.out(tree, "rev-parse", "HEAD")
     store = load_proofs(root, b.name)
     keys = proof_keys(manifest, cells)
+    if changed:
+        attach_proofs(root, manifest, b, cells)
+        held = {c.patch for c in cells if c.proof}
+        only = [c.patch for c in cells if c.patch not in held and (not only or c.patch in only)]
+        if not only:
+            _checkout(tree, head)
+            return cells
     # Tree state (commit) -> proof files to run there, in series order.
     plan: dict[str, list[str]] = {}
     ours: list[tuple[Cell, str, str, str]] = []  # cell, proof file, before, after commit

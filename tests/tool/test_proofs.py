@@ -135,3 +135,14 @@ def test_missing_proof_file_and_bad_proof_path(project, tool):
     )
     r = tool(project, "status", "--baseline", "0.1.0")
     assert r.rc == 2 and "must be a relative path tests/" in r.err
+
+
+def test_prove_changed_keeps_proofs_that_still_hold(project, tool):
+    args = ("prove", "--python", sys.executable, "--baseline", "0.1.0", "--patch", "join-sep")
+    assert tool(project, *args).rc == 0
+    r = tool(project, *args, "--changed")
+    assert r.rc == 0 and "0 pytest processes" in r.err and "applies, proven" in r.out
+    proof = project / "tests/proofs/test_join_sep.py"
+    proof.write_text(proof.read_text() + "\n# edited\n")
+    r = tool(project, *args, "--changed")
+    assert r.rc == 0 and "2 pytest processes" in r.err
