@@ -169,7 +169,7 @@ def _file_results(junit: Path, root: Path, files: list[str]) -> dict[str, dict]:
 BOOTSTRAP = """\
 import os, sys, time
 try:
-    import torch, megatron.core
+    import megatron.core  # and torch, which it imports
 except Exception:
     pass  # pytest reports it, per file
 with open(os.environ["MCORE_FIXES_STARTUP"], "w") as f:
