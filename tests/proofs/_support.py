@@ -13,6 +13,7 @@ nothing else. It is disclosed in every proof that uses it; the GPU tier runs wit
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import socket
@@ -26,7 +27,20 @@ from torch.overrides import TorchFunctionMode
 
 
 class CudaOnCpu(TorchFunctionMode):
-    """``device='cuda'`` -> CPU, ``.cuda()`` -> no-op, ``Tensor.type()`` -> CUDA type name."""
+    """``device='cuda'`` -> CPU, ``.cuda()`` -> no-op, ``Tensor.type()`` -> CUDA type name.
+
+    While active, ``torch.cuda.current_device()`` returns 0 (e.g. ``DynamicGradScaler.
+    load_state_dict`` moves the scale to it), which then maps to the CPU like any CUDA device.
+    """
+
+    def __enter__(self):
+        self._current_device = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.cuda.current_device = self._current_device
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -64,6 +78,32 @@ class CountAllReduce:
 
     def __exit__(self, *exc: object) -> None:
         dist.all_reduce = self._all_reduce
+
+
+class CaptureLogs(logging.Handler):
+    """Collects the records of logger ``name`` (and its children) at ``level`` and above."""
+
+    def __init__(self, name: str = "megatron", level: int = logging.WARNING) -> None:
+        super().__init__(level)
+        self.logger = logging.getLogger(name)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def messages(self, contains: str = "") -> list[str]:
+        return [r.getMessage() for r in self.records if contains in r.getMessage()]
+
+    def __enter__(self) -> CaptureLogs:
+        self._level = self.logger.level
+        self.logger.addHandler(self)
+        if self.logger.getEffectiveLevel() > self.level:
+            self.logger.setLevel(self.level)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self._level)
 
 
 Case = Callable[[], None]
