@@ -25,21 +25,33 @@ from _support import CaptureLogs, check, run_world
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
 from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
-from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
+from megatron.core.optimizer.optimizer import (
+    ChainedOptimizer,
+    MixedPrecisionOptimizer,
+    param_group_identifier_keys,
+)
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 ENCODER, AUDIO, LLM = "images", "audio", "language"
 WARNING = "grad scaler states"
 
-# World-group collectives of one MimoOptimizer.step() as upstream issues them: found-inf
-# consensus, global grad norm, update-success consensus (only the first on overflow).
-WORLD_COLLECTIVES_PER_STEP = {
-    "bf16": 3,
-    "fp16_constant": 3,
-    "fp16_dynamic": 3,
-    "fp16_dynamic_overflow": 1,
-}
+
+def world_collectives_per_step() -> dict[str, int]:
+    """World-group collectives of one MimoOptimizer.step() as upstream issues them.
+
+    Found-inf consensus and the global grad norm, plus the update-success consensus (#5331,
+    from core_v0.19.0); only the first on overflow.
+    """
+    clean = 3 if "ReduceOp.MIN" in inspect.getsource(MimoOptimizer.step) else 2
+    return {
+        "bf16": clean,
+        "fp16_constant": clean,
+        "fp16_dynamic": clean,
+        "fp16_dynamic_overflow": 1,
+    }
+
+
 _COLLECTIVES = (
     "all_reduce",
     "all_gather",
@@ -120,7 +132,10 @@ def _inner(config: OptimizerConfig, grid: HyperCommGrid):
     optimizer = _get_megatron_optimizer_based_on_param_groups(
         config=config,
         model_chunks=[module],
-        param_groups=[{"params": list(module.parameters())}],
+        # With the keys load_state_dict() matches param groups by (required before core_v0.19).
+        param_groups=[
+            {"params": list(module.parameters()), **dict.fromkeys(param_group_identifier_keys)}
+        ],
         model_parallel_group=pg.mp,
         pg_collection=pg,
     )
@@ -274,14 +289,14 @@ def case_shared_scaler_updated_once():
 
 
 def case_world_collectives_per_step_match_upstream():
-    counts = {}
-    for path in WORLD_COLLECTIVES_PER_STEP:
+    counts, expected = {}, world_collectives_per_step()
+    for path in expected:
         world = Mimo(_config(path.replace("_overflow", "")), _grids(dist.get_world_size()))
         world.set_grads(overflow=ENCODER if path.endswith("_overflow") else None, value=0.5)
         with count_world_collectives() as calls:
             world.mimo.step()
         counts[path] = len(calls)
-    assert counts == WORLD_COLLECTIVES_PER_STEP, counts
+    assert counts == expected, counts
 
 
 def case_colocated_modules_share_the_decision():
@@ -383,9 +398,23 @@ def _load_diverged(world):
                 "growth_tracker": growth,
                 "hysteresis_tracker": hysteresis,
             }
+    error = None
     with CaptureLogs() as logs:
-        world.mimo.load_state_dict(state_dict)
+        try:
+            world.mimo.load_state_dict(state_dict)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank reports
+            error = exc
+    _raise_on_any_rank(error)
     return logs.messages(WARNING)
+
+
+def _raise_on_any_rank(error):
+    """Raise on every rank if one failed (so that no rank waits in a collective alone)."""
+    failed = [None] * dist.get_world_size()
+    dist.all_gather_object(failed, error is not None)
+    if error is not None:
+        raise error
+    assert not any(failed), f"failed on ranks {[r for r, f in enumerate(failed) if f]}"
 
 
 def case_resume_from_diverged_checkpoint():
@@ -406,8 +435,13 @@ def case_identical_states_load_untouched():
     world = Mimo(_config(), _grids(dist.get_world_size()))
     world.set_grads(value=0.5)
     world.mimo.step()
+    error = None
     with CaptureLogs() as logs:
-        world.mimo.load_state_dict(world.mimo.state_dict())
+        try:
+            world.mimo.load_state_dict(world.mimo.state_dict())
+        except Exception as exc:  # noqa: BLE001 - re-raised by _raise_on_any_rank
+            error = exc
+    _raise_on_any_rank(error)
     _all_equal(world, (8.0, 1, 1))
     assert logs.messages(WARNING) == []
 
@@ -416,8 +450,13 @@ def case_bf16_and_constant_load_add_no_collective():
     counts = {}
     for precision in ("bf16", "fp16_constant"):
         world = Mimo(_config(precision), _grids(dist.get_world_size()))
+        error = None
         with count_world_collectives() as calls:
-            world.mimo.load_state_dict(world.mimo.state_dict())
+            try:
+                world.mimo.load_state_dict(world.mimo.state_dict())
+            except Exception as exc:  # noqa: BLE001 - re-raised by _raise_on_any_rank
+                error = exc
+        _raise_on_any_rank(error)
         counts[precision] = calls
     assert counts == {"bf16": [], "fp16_constant": []}, counts
 
