@@ -25,6 +25,7 @@ import io
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -307,7 +308,12 @@ def run_suites(
         logs[state].flush()
         say(f"{state}: {' '.join(cmd[-len(args) :])[:200]}")
         procs[state] = subprocess.Popen(
-            cmd, cwd=work / state, env=env, stdout=logs[state], stderr=subprocess.STDOUT
+            cmd,
+            cwd=work / state,
+            env=env,
+            stdout=logs[state],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopped as a whole, below
         )
     start = time.monotonic()
     rcs = {}
@@ -315,8 +321,8 @@ def run_suites(
         try:
             rcs[state] = proc.wait(timeout=max(1, timeout - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            rcs[state] = "timeout"
+            rcs[state] = f"stopped after {timeout} s"
+            _stop(proc)
         logs[state].close()
     outcomes = {s: read_junit(sorted(out.glob(f"{s}.rank*.xml"))) for s in procs}
     lines = report(b, nproc, cells, suites, carried, outcomes, rcs)
@@ -326,6 +332,20 @@ def run_suites(
     bad_diff = any(line.startswith("| ") and "REGRESSION" in line for line in lines)
     bad_carried = any(line.startswith("| ") and "NOT PROVEN" in line for line in lines)
     return 1 if bad_diff or bad_carried else 0
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT to the whole group (pytest then writes its junit file), SIGKILL if that hangs."""
+    for sig, grace in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def report(b, nproc, cells, suites, carried, outcomes, rcs) -> list[str]:
