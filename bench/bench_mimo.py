@@ -78,6 +78,16 @@ def _host_mode() -> Any:
                 return name
             return func(*args, **kwargs)
 
+        # DynamicGradScaler.load_state_dict() moves the scale to torch.cuda.current_device().
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            self._current_device = torch.cuda.current_device
+            torch.cuda.current_device = lambda: 0
+            return super().__enter__()
+
+        def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+            torch.cuda.current_device = self._current_device
+            return super().__exit__(*exc)
+
     return HostTensorsAsCuda()
 
 
