@@ -12,10 +12,12 @@ nothing else. It is disclosed in every proof that uses it; the GPU tier runs wit
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import multiprocessing
 import os
+import queue
 import socket
 import traceback
 from collections.abc import Callable
@@ -45,7 +47,8 @@ class CudaOnCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
+        # An int device is a CUDA ordinal (torch.device(0) needs an accelerator to resolve).
+        if isinstance(device, int) or (device is not None and torch.device(device).type == "cuda"):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
@@ -185,3 +188,216 @@ def check(results: list[dict[str, str]], name: str) -> None:
     for rank, per_rank in enumerate(results):
         assert "<world>" not in per_rank, f"rank {rank}: {per_rank['<world>']}"
         assert per_rank.get(name) == "ok", f"rank {rank}:\n{per_rank.get(name, 'not run')}"
+
+
+# DistributedOptimizer (fix 2): real DDP + get_megatron_optimizer on CPU under CudaOnCpu.
+
+DISTOPT_LOGGER = "megatron.core.optimizer.distrib_optimizer"
+
+
+class MixedDtypeNet(torch.nn.Module):
+    """bf16 Linear, fp32 child Linear, bf16 Linear (an fp32 submodule inside a bf16 model).
+
+    DDP builds a bf16 grad buffer, then an fp32 one, so the weight group and the bias group
+    each have 16-bit params before fp32 ones in grad-buffer order, while DistributedOptimizer
+    stores each group as [*fp32 shards, *16-bit shards]. ``widths`` are the output widths of
+    inp, child, out (equal widths: swapped shards have equal sizes). ``fp32_first`` declares
+    the fp32 child first: DDP then builds the fp32 buffer first (groups already aligned).
+    """
+
+    def __init__(self, widths: tuple[int, int, int] = (64, 96, 32), fp32_first: bool = False):
+        super().__init__()
+        gen = torch.Generator().manual_seed(sum(widths))
+        layers = [
+            ("inp", widths[0], torch.bfloat16),
+            ("child", widths[1], torch.float32),
+            ("out", widths[2], torch.bfloat16),
+        ]
+        if fp32_first:
+            layers = [layers[1], layers[0], layers[2]]
+        for name, width, dtype in layers:
+            layer = torch.nn.Linear(128, width)
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen))
+            setattr(self, name, layer.to(dtype))
+
+
+def build_distopt(model_chunks: list[torch.nn.Module], **config: object):
+    """Real DDP per chunk and get_megatron_optimizer (torch Adam: no TE/apex on CPU).
+
+    Returns (ddp chunks, optimizer as returned, its DistributedOptimizers).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    chunks = [
+        DistributedDataParallel(
+            TransformerConfig(num_attention_heads=1, num_layers=1), ddp_config, chunk
+        )
+        for chunk in model_chunks
+    ]
+    kwargs = dict(optimizer="adam", lr=1e-2, bf16=True, clip_grad=0.0)
+    opt_config = OptimizerConfig(use_distributed_optimizer=True, **{**kwargs, **config})
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    return chunks, optimizer, list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def distopt_step(chunks, optimizer, seed: int) -> None:
+    """One optimizer step on seeded grads (written where backward would put them)."""
+    gen = torch.Generator().manual_seed(seed)
+    for chunk in chunks:
+        for p in chunk.module.parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+    optimizer.step()
+
+
+def own_shards(opt) -> dict:
+    """model param -> (group index, the shard the group stores for it), from the builder's
+    groups (independent of model_param_group_index_map)."""
+    shards = {}
+    groups = zip(
+        opt.model_fp32_groups, opt.shard_fp32_groups, opt.model_float16_groups, strict=True
+    )
+    for g, (fp32_params, fp32_shards, float16_params) in enumerate(groups):
+        main_shards = opt.shard_fp32_from_float16_groups[g]
+        for p, shard in [
+            *zip(fp32_params, fp32_shards, strict=True),
+            *zip(float16_params, main_shards, strict=True),
+        ]:
+            shards[p] = (g, shard)
+    return shards
+
+
+def own_state(opt) -> dict:
+    """model param -> {"param": its own main shard, state key: tensor}, index-independent."""
+    state = {}
+    for p, (_, shard) in own_shards(opt).items():
+        tensors = {"param": shard}
+        tensors.update((k, v) for k, v in opt.optimizer.state.get(shard, {}).items() if k != "step")
+        state[p] = tensors
+    return state
+
+
+def grad_buffer_order_index(opt) -> dict:
+    """The index as MCore built it before the fix: params numbered in grad-buffer order."""
+    return {
+        p: (g, o) for g, r in enumerate(opt.opt_group_ranges) for o, p in enumerate(r["params"])
+    }
+
+
+def storage_order_index(opt) -> dict:
+    """The index as upstream's dev fix (NVIDIA/Megatron-LM#5835) builds it."""
+    return {
+        p: (g, o)
+        for g, (fp32, float16) in enumerate(
+            zip(opt.model_fp32_groups, opt.model_float16_groups, strict=True)
+        )
+        for o, p in enumerate([*fp32, *float16])
+    }
+
+
+def param_names_by_name(chunks) -> dict:
+    """name -> param over all model chunks (names prefixed with the chunk number)."""
+    return {f"{i}.{n}": p for i, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
+
+
+class CudaSyncOnCpu:
+    """``torch.cuda.synchronize()`` -> no-op (dist_checkpointing's writer calls it)."""
+
+    def __enter__(self) -> CudaSyncOnCpu:
+        self._synchronize = torch.cuda.synchronize
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize = self._synchronize
+
+
+def clone_tensors(obj):
+    """A copy of nested dicts/lists/tuples with every tensor detached and cloned."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_tensors(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def sharding_types(opt) -> list[str]:
+    """The distributed-checkpoint formats of this version's DistributedOptimizer, plus "legacy"
+    (state_dict() + save_parameter_state(), torch.save of the DP-rank-0 gather)."""
+    import inspect
+
+    source = inspect.getsource(type(opt).sharded_state_dict)
+    known = (
+        "dp_reshardable",
+        "fully_reshardable",
+        "dp_zero_gather_scatter",
+        "fully_sharded_model_space",
+        "fully_sharded_bucket_space",
+    )
+    return ["legacy", *(t for t in known if f"'{t}'" in source or f'"{t}"' in source)]
+
+
+def distopt_save(chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path, old_index=False):
+    """Save the optimizer state in `sharding_type`; with old_index, as MCore wrote it before
+    the param-index fix (the grad-buffer-order index). Collective over the world."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        # The writer's result queue would live in a spawned multiprocessing manager (~15 s of
+        # imports here, and it outlives the forked rank); its writers are threads of this rank.
+        filesystem_async._results_queue = queue.Queue()
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    indexes = [opt.model_param_group_index_map for opt in opts]
+    if old_index:
+        for opt in opts:
+            opt.model_param_group_index_map = grad_buffer_order_index(opt)
+    weights = {n: p.detach().clone() for n, p in param_names_by_name(chunks).items()}
+    torch.save(weights, ckpt_dir / f"model{dist.get_rank()}.pt")
+    try:
+        with CudaSyncOnCpu():
+            if sharding_type == "legacy":
+                common = clone_tensors(optimizer.state_dict())
+                torch.save(common, ckpt_dir / f"common{dist.get_rank()}.pt")
+                for i, opt in enumerate(opts):
+                    opt.save_parameter_state(str(ckpt_dir / f"param_state{i}.pt"))
+            else:
+                metadata = {"distrib_optim_sharding_type": sharding_type}
+                model_sd = chunks[0].sharded_state_dict()
+                state = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
+                dist_checkpointing.save({"optimizer": state}, str(ckpt_dir))
+    finally:
+        for opt, index in zip(opts, indexes, strict=True):
+            opt.model_param_group_index_map = index
+    dist.barrier()
+
+
+def distopt_load(chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path) -> list[str]:
+    """Load what distopt_save wrote, model weights first (as checkpoint loading does); returns
+    the WARNING messages of the optimizer's logger."""
+    from megatron.core import dist_checkpointing
+
+    weights = torch.load(ckpt_dir / f"model{dist.get_rank()}.pt")
+    with torch.no_grad():
+        for name, p in param_names_by_name(chunks).items():
+            p.copy_(weights[name])
+
+    with CudaSyncOnCpu(), CaptureLogs(DISTOPT_LOGGER, logging.WARNING) as logs:
+        if sharding_type == "legacy":
+            common = torch.load(ckpt_dir / f"common{dist.get_rank()}.pt", weights_only=False)
+            optimizer.load_state_dict(common)
+            for i, opt in enumerate(opts):
+                opt.load_parameter_state(str(ckpt_dir / f"param_state{i}.pt"))
+        else:
+            metadata = {"distrib_optim_sharding_type": sharding_type}
+            model_sd = chunks[0].sharded_state_dict()
+            state = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
+            loaded = dist_checkpointing.load({"optimizer": state}, str(ckpt_dir))
+            optimizer.load_state_dict(loaded["optimizer"])
+    return logs.messages()

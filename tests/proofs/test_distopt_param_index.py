@@ -1,0 +1,163 @@
+"""Proof of patch distopt-param-index: DistributedOptimizer indexes each param at its own shard.
+
+``_build_model_and_main_param_groups`` stores every optimizer group as ``[*fp32 shards,
+*16-bit shards]``; before the fix ``model_param_group_index_map`` numbered the params in
+grad-buffer order, so where a 16-bit buffer precedes an fp32 one (an fp32 child module after
+a bf16 one; VPP chunks) every state save and load path reads and writes other params' shards.
+The fix rebuilds the index from the builder's own groups, as upstream's dev fix #5835 does (the
+cases pass on dev). Its load check (a checkpoint written with the old index warns) is proven in
+test_distopt_step_key.py, on every format, once the formats load with torch Adam.
+
+Real objects: DistributedDataParallel, get_megatron_optimizer (torch Adam), the
+DistributedOptimizer constructor and its save/load paths, in forked gloo worlds of 1 and 2
+ranks (data-parallel sizes 1 and 2; and 2 ranks at data-parallel size 1). Disclosed stand-in:
+``CudaOnCpu`` (CUDA placement and type names on the CPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+from pathlib import Path
+
+import megatron.core.dist_checkpointing  # noqa: F401 - imported once, before the ranks fork
+import megatron.core.distributed  # noqa: F401
+import megatron.core.optimizer  # noqa: F401
+import pytest
+import torch
+from _support import (
+    MixedDtypeNet,
+    build_distopt,
+    check,
+    distopt_load,
+    distopt_save,
+    distopt_step,
+    grad_buffer_order_index,
+    own_shards,
+    own_state,
+    run_world,
+    sharding_types,
+    storage_order_index,
+)
+
+EQUAL = (32, 32, 32)  # equal shapes
+CKPT_ROOT = Path(tempfile.mkdtemp(prefix="distopt-ckpt-"))  # shared by the forked ranks
+CKPT_IDS = itertools.count()
+
+
+def _reshardable(opt):
+    """(get method, sharding type) of the per-rank bucket-space format of this version."""
+    if hasattr(opt, "get_parameter_state_dp_reshardable"):
+        return opt.get_parameter_state_dp_reshardable, "dp_reshardable"
+    return opt.get_parameter_state_fs_bucket_space, "fully_sharded_bucket_space"
+
+
+def _check_index(opts) -> None:
+    for opt in opts:
+        shards = own_shards(opt)
+        for p, (g, o) in opt.model_param_group_index_map.items():
+            stored = opt.optimizer.param_groups[g]["params"][o]
+            assert shards[p][0] == g and stored is shards[p][1], (
+                f"{tuple(p.shape)} {p.dtype} param indexed at ({g}, {o}), which holds a "
+                f"{stored.numel()}-element shard of another param"
+            )
+
+
+def case_index_points_at_own_shard() -> None:
+    _check_index(build_distopt([MixedDtypeNet()])[2])
+
+
+def case_vpp_index_points_at_own_shard() -> None:
+    _check_index(build_distopt([MixedDtypeNet(), MixedDtypeNet((48, 16, 80))])[2])
+
+
+def case_index_equals_upstream_dev_fix() -> None:
+    for chunks in ([MixedDtypeNet()], [MixedDtypeNet(), MixedDtypeNet((48, 16, 80))]):
+        for opt in build_distopt(chunks)[2]:
+            assert opt.model_param_group_index_map == storage_order_index(opt)
+
+
+def case_saved_state_is_own() -> None:
+    chunks, optimizer, opts = build_distopt([MixedDtypeNet()])
+    distopt_step(chunks, optimizer, 0)
+    for opt in opts:
+        get_state, _ = _reshardable(opt)
+        saved, own = get_state(), own_state(opt)
+        for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+            for dtype, bucket_maps in gbuf_range_maps.items():
+                for bucket_idx, bucket_map in enumerate(bucket_maps):
+                    entries = saved[gbuf_idx][dtype][bucket_idx]
+                    for entry, p in zip(entries, bucket_map["param_map"], strict=True):
+                        for key, tensor in own[p].items():
+                            assert torch.equal(entry[key], tensor), (key, tuple(p.shape))
+
+
+def _save_load_reshardable(chunks, optimizer, opts, old_index: bool) -> list[str]:
+    """Step, save in the bucket-space format (with the pre-fix index if old_index), step on,
+    load. Returns the WARNING messages of the load."""
+    sharding_type = "dp_reshardable"
+    if sharding_type not in sharding_types(opts[0]):
+        sharding_type = "fully_sharded_bucket_space"
+    ckpt_dir = CKPT_ROOT / f"{sharding_type}-{next(CKPT_IDS)}"  # same on every rank
+    distopt_step(chunks, optimizer, 0)
+    distopt_save(chunks, optimizer, opts, sharding_type, ckpt_dir, old_index=old_index)
+    distopt_step(chunks, optimizer, 1)
+    # no_grad: loading into fp32 views needs it until patch distopt-no-grad-load.
+    with torch.no_grad():
+        return distopt_load(chunks, optimizer, opts, sharding_type, ckpt_dir)
+
+
+def case_aligned_groups_unchanged_and_silent() -> None:
+    chunks, optimizer, opts = build_distopt([MixedDtypeNet(EQUAL, fp32_first=True)])
+    for opt in opts:
+        assert [b.param_dtype for b in opt.buffers] == [torch.float32, torch.bfloat16]
+        assert opt.model_param_group_index_map == grad_buffer_order_index(opt)
+    assert _save_load_reshardable(chunks, optimizer, opts, old_index=True) == []
+
+
+def _init_dp() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+
+
+def _init_dp1() -> None:
+    """Every rank its own data-parallel group of one (tensor-parallel size = world size)."""
+    from megatron.core import parallel_state
+
+    world_size = torch.distributed.get_world_size()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+
+
+INDEX_CASES = {
+    "index_points_at_own_shard": case_index_points_at_own_shard,
+    "vpp_index_points_at_own_shard": case_vpp_index_points_at_own_shard,
+    "index_equals_upstream_dev_fix": case_index_equals_upstream_dev_fix,
+    "saved_state_is_own": case_saved_state_is_own,
+    "aligned_groups_unchanged_and_silent": case_aligned_groups_unchanged_and_silent,
+}
+LOAD_CASES = {"aligned_groups_unchanged_and_silent": case_aligned_groups_unchanged_and_silent}
+WORLDS = {
+    "dp1": (1, _init_dp, {**INDEX_CASES, **LOAD_CASES}),
+    "dp2": (2, _init_dp, INDEX_CASES),
+    "2ranks-dp1": (2, _init_dp1, LOAD_CASES),
+}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict:
+    results = {}
+    for name, (world_size, init, cases) in WORLDS.items():
+        out: Path = tmp_path_factory.mktemp(name)
+        results[name] = run_world(cases, world_size, out, init=init)
+    shutil.rmtree(CKPT_ROOT, ignore_errors=True)
+    return results
+
+
+CASES = [(w, c) for w, (_, _, cases) in WORLDS.items() for c in cases]
+
+
+@pytest.mark.parametrize(("world", "case"), CASES, ids=[f"{w}-{c}" for w, c in CASES])
+def test_distopt_param_index(worlds, world, case) -> None:
+    check(worlds[world], case)
