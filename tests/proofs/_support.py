@@ -401,3 +401,134 @@ def distopt_load(chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path) ->
             loaded = dist_checkpointing.load({"optimizer": state}, str(ckpt_dir))
             optimizer.load_state_dict(loaded["optimizer"])
     return logs.messages()
+
+
+def load_te_standin():
+    """tests/multigpu/te_standin.py: the FusedAdam stand-in the GPU tier uses too."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "multigpu" / "te_standin.py"
+    spec = importlib.util.spec_from_file_location("te_standin", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class MultiTensorContract:
+    """clip_grads' ``multi_tensor_applier`` held to TE's contract: no empty tensor list.
+
+    TE's (and apex's) multi-tensor kernels dereference the first tensor of each list, so an
+    empty list crashes the process; here it raises instead. Calls with non-empty lists go to
+    the applier MCore chose (on CPU its local implementation), unchanged.
+    """
+
+    def __enter__(self) -> MultiTensorContract:
+        from megatron.core.optimizer import clip_grads
+
+        self._clip_grads = clip_grads
+        self._applier = clip_grads.multi_tensor_applier
+        self.calls: list[str] = []
+
+        def applier(op, noop_flag, tensor_lists, *args):
+            name = getattr(op, "__name__", repr(op))
+            if any(len(tensor_list) == 0 for tensor_list in tensor_lists):
+                raise AssertionError(
+                    f"empty tensor list reached multi_tensor_applier({name}): TE's kernel "
+                    "dereferences element 0 (a segfault)"
+                )
+            self.calls.append(name)
+            return self._applier(op, noop_flag, tensor_lists, *args)
+
+        clip_grads.multi_tensor_applier = applier
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._clip_grads.multi_tensor_applier = self._applier
+
+
+# Megatron-FSDP v1 as get_megatron_optimizer sees it. Megatron-FSDP's own buffers need CUDA;
+# what the optimizer factory and the readers use of a FullyShardedDataParallel chunk is its
+# `ddp_config`, DTensor parameters tagged `__fsdp_param__`, and a `param_and_grad_buffer` whose
+# decoupled-grad flag is initialised and used like ParamAndGradBuffer's. The DDP field exists
+# from MCore 0.18; the buffer attribute is `use_decoupled_grad` there, `use_precision_aware_
+# optimizer` before (read with a default of False, set by nobody).
+FSDP_DDP_FLAG = "megatron_fsdp_use_decoupled_grad"
+
+
+def fsdp_buffer_flag() -> str:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    fields = DistributedDataParallelConfig.__dataclass_fields__
+    return "use_decoupled_grad" if FSDP_DDP_FLAG in fields else "use_precision_aware_optimizer"
+
+
+def has_fsdp_ddp_flag() -> bool:
+    return fsdp_buffer_flag() == "use_decoupled_grad"
+
+
+class FsdpGradBuffer:
+    """ParamAndGradBuffer (Megatron-FSDP v1), as far as gradient installation goes: the flag
+    is read from the DDP config like in its __init__, gradients are installed like at the end
+    of its update_main_grads()."""
+
+    def __init__(self, ddp_config) -> None:
+        if has_fsdp_ddp_flag():
+            setattr(self, fsdp_buffer_flag(), getattr(ddp_config, FSDP_DDP_FLAG))
+
+    def installs_decoupled_grad(self) -> bool:
+        return bool(getattr(self, fsdp_buffer_flag(), False))
+
+    def update_main_grads(self, grads: dict) -> None:
+        attr = "decoupled_grad" if self.installs_decoupled_grad() else "grad"
+        for param, grad in grads.items():
+            setattr(param, attr, grad)
+
+
+class FsdpV1Chunk(torch.nn.Module):
+    """What get_megatron_optimizer sees of a FullyShardedDataParallel (v1) model chunk."""
+
+    def __init__(self, ddp_config, shapes=((4, 3), (5,)), requires_grad: bool = True) -> None:
+        super().__init__()
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        self.ddp_config = ddp_config
+        self.mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for i, shape in enumerate(shapes):
+            local = torch.randn(*shape)
+            param = torch.nn.Parameter(
+                DTensor.from_local(local, self.mesh, [Shard(0)]), requires_grad=requires_grad
+            )
+            param.__fsdp_param__ = True
+            self.register_parameter(f"weight{i}", param)
+        self.param_and_grad_buffer = FsdpGradBuffer(ddp_config)
+
+    def make_grads(self, zeros_per_param: int = 2) -> dict:
+        """Reduced gradients: DTensors with `zeros_per_param` zeros each."""
+        from torch.distributed.tensor import DTensor
+
+        grads = {}
+        for param in self.parameters():
+            local = torch.rand_like(param._local_tensor) + 0.5
+            local.view(-1)[:zeros_per_param] = 0.0
+            grads[param] = DTensor.from_local(local, self.mesh, param.placements)
+        return grads
+
+
+def fsdp_ddp_config(**kwargs):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    base = dict(
+        use_megatron_fsdp=True,
+        use_distributed_optimizer=True,
+        data_parallel_sharding_strategy="optim_grads_params",
+    )
+    return DistributedDataParallelConfig(**(base | kwargs))
+
+
+def init_model_parallel() -> None:
+    """``init`` for run_world: MCore's default parallel state (all sizes 1), a fixed seed."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    torch.manual_seed(1234)

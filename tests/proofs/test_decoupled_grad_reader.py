@@ -1,0 +1,200 @@
+"""Proof of decoupled-grad-reader: every gradient reader asks the optimizer where it reads.
+
+TE's FusedAdam reads `param.decoupled_grad` iff its `use_decoupled_grad` is set and skips
+parameters whose gradient there is None; get_megatron_optimizer sets it for Megatron-FSDP v1
+after construction. The readers guessed instead, each its own way: grad norm, clipping and
+zero counting from `config.use_precision_aware_optimizer_no_fp8_or_ds_fp8` (plus an FSDP
+heuristic on `params[0]` from 0.18), MIMO's clip from `config.use_precision_aware_optimizer`,
+FP16 unscaling of the DistributedOptimizer from the config. Wherever the guess differs from the
+optimizer, the norm is 0, nothing is clipped, or unscaling reads `None.data`.
+
+Real MCore objects: FP32Optimizer, ChainedOptimizer, MimoOptimizer, DistributedOptimizer and
+FullyShardedOptimizer, built by MCore's own constructors or get_megatron_optimizer, in a forked
+gloo world. Stand-ins, all outside the code under test: TE's FusedAdam (tests/multigpu/
+te_standin.py, its documented contract), the Megatron-FSDP v1 chunk of _support, the CUDA shim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _support import (
+    FsdpV1Chunk,
+    MultiTensorContract,
+    check,
+    fsdp_ddp_config,
+    init_model_parallel,
+    load_te_standin,
+    run_world,
+)
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+te_standin = load_te_standin()
+
+
+def _norm(tensors) -> float:
+    return math.sqrt(sum(float(getattr(t, "_local_tensor", t).square().sum()) for t in tensors))
+
+
+def _params_with_grads(attr: str, count: int = 2) -> tuple[list, list]:
+    params = [torch.nn.Parameter(torch.randn(6)) for _ in range(count)]
+    grads = []
+    for param in params:
+        grad = torch.rand(6) + 0.5
+        grad[0] = 0.0
+        setattr(param, attr, grad)
+        grads.append(grad)
+    return params, grads
+
+
+def _readers_follow_the_optimizer() -> None:
+    """The wrapped optimizer says `use_decoupled_grad` (as FusedAdam does): readers follow."""
+    params, grads = _params_with_grads("decoupled_grad")
+    adam = torch.optim.Adam(params, lr=1e-2)
+    adam.use_decoupled_grad = True  # what get_megatron_optimizer sets for Megatron-FSDP v1
+    optimizer = FP32Optimizer(adam, OptimizerConfig(optimizer="adam", clip_grad=0.5), None)
+    chained = ChainedOptimizer([optimizer])
+    expected = _norm(grads)
+    assert math.isclose(optimizer.get_grad_norm(), expected, rel_tol=1e-5), "grad norm"
+    assert math.isclose(chained.get_grad_norm(), expected, rel_tol=1e-5), "chained grad norm"
+    assert optimizer.count_zeros() == len(grads), "zeros"
+    assert chained.count_zeros() == len(grads), "chained zeros"
+    with MultiTensorContract():
+        assert math.isclose(optimizer.clip_grad_norm(0.5), expected, rel_tol=1e-5)
+    assert math.isclose(_norm(grads), 0.5, rel_tol=1e-4), "clipping did not scale"
+
+
+class _DuckOptimizer:
+    """A chained child that is not a MegatronOptimizer (as upstream's own tests chain)."""
+
+    def __init__(self, params, config) -> None:
+        self.params, self.config = params, config
+        self.param_groups = [{"params": params}]
+
+    def get_parameters(self):
+        return self.params
+
+    def get_grad_stats_parallel_group(self):
+        return parallel_state.get_model_parallel_group()
+
+    def get_grads_for_grad_norm(self, grad_norm_group=None):
+        return [p.grad for p in self.params]
+
+    get_main_grads_for_grad_norm = get_grads_for_grad_norm  # its name before core_v0.19
+
+
+def _duck_typed_children() -> None:
+    """Compatibility: chained children without MegatronOptimizer's methods still work."""
+    config = OptimizerConfig()
+    params, grads = _params_with_grads("grad", count=4)
+    chained = ChainedOptimizer(
+        [_DuckOptimizer(params[:2], config), _DuckOptimizer(params[2:], config)]
+    )
+    assert chained.count_zeros() == len(grads)
+    assert math.isclose(chained.get_grad_norm(), _norm(grads), rel_tol=1e-5)
+
+
+def _mimo_clips_where_its_optimizer_reads() -> None:
+    """MIMO with a module optimizer that reads param.grad under a precision-aware config."""
+    try:
+        from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
+    except ImportError:
+        return  # no MIMO before core_v0.17
+    with te_standin.te_stand_in(te_modules=True):
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            clip_grad=0.5,
+            use_distributed_optimizer=True,
+            use_precision_aware_optimizer=True,
+            fp8_recipe="mxfp8",  # FusedAdam then reads param.grad
+        )
+    params, grads = _params_with_grads("grad")
+    adam = te_standin.FusedAdamStandIn(params, lr=1e-2, use_decoupled_grad=False)
+    module = FP32Optimizer(adam, config, lambda opt, config=None: None)
+    info = ModuleOptimizerInfo(optimizer=module, grid=None, pg_collection=None, is_active=True)
+    mimo = MimoOptimizer({"llm": info}, config)
+    with MultiTensorContract():
+        success, grad_norm, _ = mimo.step()
+    assert success and grad_norm > 0.5, (success, grad_norm)
+    assert math.isclose(_norm(grads), 0.5, rel_tol=1e-4), (
+        f"grad norm {grad_norm} vs clip_grad 0.5: MIMO left the gradients unclipped "
+        f"(norm {_norm(grads)})"
+    )
+
+
+def _fsdp_fp16_unscaling_reads_decoupled_grad() -> None:
+    """FP16 + Megatron-FSDP v1 + precision-aware + MXFP8: unscaling reads what FusedAdam reads."""
+    with te_standin.te_stand_in(te_modules=True):
+        config = OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            fp16=True,
+            use_distributed_optimizer=True,
+            use_precision_aware_optimizer=True,
+            fp8_recipe="mxfp8",
+        )
+    chunk = FsdpV1Chunk(fsdp_ddp_config())
+    with te_standin.te_stand_in(te_modules=False):
+        optimizer = get_megatron_optimizer(config, [chunk], use_gloo_process_groups=False)
+    if not getattr(optimizer.optimizer, "use_decoupled_grad", False):
+        return  # this baseline's FusedAdam reads param.grad here: nothing to disagree with
+    for param, grad in chunk.make_grads().items():
+        param.decoupled_grad = grad  # where FusedAdam reads, and Megatron-FSDP installs
+    main_grads = optimizer._collect_main_grad_data_for_unscaling()
+    assert len(main_grads) == len(list(chunk.parameters())), main_grads
+
+
+def _mfsdp_v2_readers_follow_fused_adam() -> None:
+    """Megatron-FSDP v2 builds FusedAdam to read param.grad: the grad norm reads it too."""
+    try:
+        from megatron.core.optimizer.fully_sharded_optimizer import FullyShardedOptimizer
+    except ImportError:
+        return  # no Megatron-FSDP v2 optimizer in this baseline
+    with te_standin.te_stand_in(te_modules=True):
+        config = OptimizerConfig(
+            optimizer="adam", lr=1e-2, use_precision_aware_optimizer=True, clip_grad=0.5
+        )
+
+    class _V2Chunk(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ddp_config = fsdp_ddp_config(
+                megatron_fsdp_version=2, use_distributed_optimizer=False
+            )
+            self.weight = torch.nn.Parameter(torch.randn(4, 3))
+
+    chunk = _V2Chunk()
+    adam = te_standin.FusedAdamStandIn([chunk.weight], lr=1e-2)
+    optimizer = FullyShardedOptimizer(adam, config, None, lambda opt, config=None: None, [chunk])
+    chunk.weight.grad = torch.rand(4, 3) + 0.5
+    chunk.weight.grad.view(-1)[:3] = 0.0
+    expected = float(torch.linalg.vector_norm(chunk.weight.grad))
+    grad_norm = float(optimizer.get_grad_norm())
+    assert math.isclose(grad_norm, expected, rel_tol=1e-5), f"grad norm {grad_norm}"
+    assert optimizer.count_zeros() == 3
+
+
+_CASES = {
+    "readers_follow_the_optimizer": _readers_follow_the_optimizer,
+    "duck_typed_children": _duck_typed_children,
+    "mimo_clips_where_its_optimizer_reads": _mimo_clips_where_its_optimizer_reads,
+    "fsdp_fp16_unscaling_reads_decoupled_grad": _fsdp_fp16_unscaling_reads_decoupled_grad,
+    "mfsdp_v2_readers_follow_fused_adam": _mfsdp_v2_readers_follow_fused_adam,
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_world(
+        _CASES, world_size=1, out=tmp_path_factory.mktemp("reader"), init=init_model_parallel
+    )
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_reader(results, case):
+    check(results, case)

@@ -1,0 +1,164 @@
+"""Proof of fsdp-decoupled-grad: Megatron-FSDP v1 installs gradients where the optimizer reads.
+
+With a precision-aware optimizer (TE's FusedAdam) under Megatron-FSDP v1, FusedAdam reads
+`param.decoupled_grad`, while the gradient buffer installs into `param.grad` unless told
+otherwise (`DistributedDataParallelConfig.megatron_fsdp_use_decoupled_grad`, default False,
+from 0.18; before that a buffer attribute nobody sets). Left at default, FusedAdam skips every
+parameter (weights frozen), the grad norm is 0 and clipping sees no gradient. After the fix the
+optimizer decides and the buffer follows; a True the optimizer cannot honour is a ValueError
+at setup; an optimizer owning no parameter (a frozen chunk) constrains nothing.
+
+Real MCore: OptimizerConfig, DistributedDataParallelConfig, get_megatron_optimizer (standard
+and emerging paths), DistributedOptimizer, clip_grads, in a forked gloo world of 1. Stand-ins,
+outside the code under test: TE's FusedAdam (tests/multigpu/te_standin.py), the Megatron-FSDP
+v1 chunk and buffer of _support (Megatron-FSDP's own buffers need CUDA), and for the emerging
+path the emerging-optimizers package (an FP32Optimizer around torch SGD, which reads
+param.grad like Muon). The GPU tier (docs/gpu/) runs the real Megatron-FSDP v1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import megatron.core.optimizer as mcore_optimizer
+import pytest
+import torch
+from _support import (
+    FSDP_DDP_FLAG,
+    FsdpV1Chunk,
+    MultiTensorContract,
+    check,
+    fsdp_ddp_config,
+    has_fsdp_ddp_flag,
+    init_model_parallel,
+    load_te_standin,
+    run_world,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+te_standin = load_te_standin()
+
+
+def _config(precision_aware: bool, **kwargs) -> OptimizerConfig:
+    with te_standin.te_stand_in(te_modules=True):
+        return OptimizerConfig(
+            optimizer=kwargs.pop("optimizer", "adam"),
+            lr=1e-2,
+            use_distributed_optimizer=True,
+            use_precision_aware_optimizer=precision_aware,
+            log_num_zeros_in_grad=True,
+            **kwargs,
+        )
+
+
+def _build(config: OptimizerConfig, chunks: list):
+    with te_standin.te_stand_in(te_modules=False):
+        return get_megatron_optimizer(config, chunks, use_gloo_process_groups=False)
+
+
+def _default_follows_the_optimizer() -> None:
+    for precision_aware in (True, False):
+        chunk = FsdpV1Chunk(fsdp_ddp_config())
+        optimizer = _build(_config(precision_aware), [chunk])
+        reads = bool(optimizer.optimizer.use_decoupled_grad)
+        installs = chunk.param_and_grad_buffer.installs_decoupled_grad()
+        assert installs == reads, (
+            f"use_precision_aware_optimizer={precision_aware}: FusedAdam reads "
+            f"{'decoupled_grad' if reads else 'grad'}, Megatron-FSDP installs "
+            f"{'decoupled_grad' if installs else 'grad'}"
+        )
+        if has_fsdp_ddp_flag():
+            assert getattr(chunk.ddp_config, FSDP_DDP_FLAG) == reads, "config misreports"
+
+
+def _contradiction_raises_at_setup() -> None:
+    if not has_fsdp_ddp_flag():
+        return  # no DDP flag before 0.18: nothing can be set against the optimizer
+    chunk = FsdpV1Chunk(fsdp_ddp_config(**{FSDP_DDP_FLAG: True}))
+    try:
+        _build(_config(False), [chunk])
+    except ValueError as error:
+        message = str(error)
+        assert FSDP_DDP_FLAG in message and "use_precision_aware_optimizer" in message, message
+    else:
+        raise AssertionError(
+            f"{FSDP_DDP_FLAG}=True with an optimizer that reads param.grad was accepted: every "
+            "gradient would be installed where the optimizer does not read"
+        )
+
+
+def _frozen_chunk_with_flag_true() -> None:
+    """Compatibility: what megatron/training and Bridge set, on a chunk with nothing to train."""
+    if not has_fsdp_ddp_flag():
+        return
+    frozen = FsdpV1Chunk(fsdp_ddp_config(**{FSDP_DDP_FLAG: True}), requires_grad=False)
+    optimizer = _build(_config(True, fp8_recipe="mxfp8"), [frozen])
+    assert not optimizer.get_parameters()
+
+
+def _emerging_path_contradiction_raises() -> None:
+    if not hasattr(mcore_optimizer, "_get_megatron_emerging_optimizer") or not has_fsdp_ddp_flag():
+        return  # no emerging-optimizer path in this baseline
+
+    def emerging_stand_in(config, model_chunks, **kwargs):
+        params = [p for chunk in model_chunks for p in chunk.parameters()]
+        return ChainedOptimizer([FP32Optimizer(torch.optim.SGD(params, lr=1e-2), config, None)])
+
+    chunk = FsdpV1Chunk(fsdp_ddp_config(**{FSDP_DDP_FLAG: True}))
+    config = _config(False)
+    config.optimizer = "muon"
+    saved = mcore_optimizer._get_megatron_emerging_optimizer
+    mcore_optimizer._get_megatron_emerging_optimizer = emerging_stand_in
+    try:
+        _build(config, [chunk])
+    except ValueError as error:
+        assert FSDP_DDP_FLAG in str(error), str(error)
+    else:
+        raise AssertionError("the emerging-optimizer path accepted a contradictory DDP flag")
+    finally:
+        mcore_optimizer._get_megatron_emerging_optimizer = saved
+
+
+def _step_reads_where_fsdp_writes() -> None:
+    clip_grad = 0.5
+    chunk = FsdpV1Chunk(fsdp_ddp_config())
+    config = _config(True, clip_grad=clip_grad)
+    optimizer = _build(config, [chunk])
+    grads = chunk.make_grads(zeros_per_param=2)
+    chunk.param_and_grad_buffer.update_main_grads(grads)
+    expected = math.sqrt(sum(float(g._local_tensor.square().sum()) for g in grads.values()))
+    before = [p._local_tensor.clone() for p in chunk.parameters()]
+    with MultiTensorContract():
+        grad_norm = float(optimizer.clip_grad_norm(clip_grad))
+        num_zeros = optimizer.count_zeros()
+    assert math.isclose(grad_norm, expected, rel_tol=1e-5), (
+        f"grad norm {grad_norm}, expected {expected}: the norm reads no gradient"
+    )
+    clipped = math.sqrt(sum(float(g._local_tensor.square().sum()) for g in grads.values()))
+    assert math.isclose(clipped, clip_grad, rel_tol=1e-4), f"not clipped: {clipped}"
+    assert num_zeros == 2 * len(grads), num_zeros
+    optimizer.optimizer.step()  # FusedAdam, as DistributedOptimizer.step_with_ready_grads calls it
+    after = [p._local_tensor for p in chunk.parameters()]
+    assert all(not torch.equal(b, a) for b, a in zip(before, after, strict=True)), "weights frozen"
+
+
+_CASES = {
+    "default_follows_the_optimizer": _default_follows_the_optimizer,
+    "contradiction_raises_at_setup": _contradiction_raises_at_setup,
+    "frozen_chunk_with_flag_true": _frozen_chunk_with_flag_true,
+    "emerging_path_contradiction_raises": _emerging_path_contradiction_raises,
+    "step_reads_where_fsdp_writes": _step_reads_where_fsdp_writes,
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_world(
+        _CASES, world_size=1, out=tmp_path_factory.mktemp("fsdp"), init=init_model_parallel
+    )
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_fsdp_decoupled_grad(results, case):
+    check(results, case)
