@@ -87,6 +87,7 @@ def proofs(session: nox.Session) -> None:
     """Every patch proven on every baseline (one venv; --jobs baselines at once)."""
     _install_torch_env(session)
     jobs = os.environ.get("MCORE_FIXES_JOBS", str(os.cpu_count() or 1))
+    os.environ.setdefault("MCORE_FIXES_PROOF_TIMEOUT", "300")  # a hung world fails, not CI
     timing = ROOT / "build" / "ci-proofs.json"
     args = ("--jobs", jobs, "--timing", str(timing), *session.posargs)
     session.run("python", "-m", "mcore_fixes", "prove", *args)

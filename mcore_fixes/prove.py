@@ -42,7 +42,7 @@ from .series import (
 
 PROOFS_DIR = Path("build") / "proofs"
 _SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?|skipped|deselected)\b|no tests ran")
-TIMEOUT = 900
+TIMEOUT = int(os.environ.get("MCORE_FIXES_PROOF_TIMEOUT", "900"))  # seconds per pytest process
 
 
 def pytest_command(python: str, files: list[str]) -> list[str]:
