@@ -41,7 +41,8 @@ import megatron.core
 print("megatron-core", md.version("megatron-core"), "from", megatron.core.__file__)
 EOF
     PYTHONPATH=/tmp/fork:/tmp/site:$proj python3 -m mcore_fixes info
-    PYTHONPATH=/tmp/fork:/tmp/site timeout 300 python3 -m pytest -q -p no:cacheprovider \
+    # CPU proofs: gloo worlds forked from the test; no CUDA (a fork after CUDA init fails)
+    CUDA_VISIBLE_DEVICES= PYTHONPATH=/tmp/fork:/tmp/site timeout 300 python3 -m pytest -q -p no:cacheprovider \
         --noconftest -o addopts= "$proj"/tests/proofs/
 }
 if [ -d "$dev/fork" ]; then
@@ -53,7 +54,7 @@ targs=""  # a test that hangs (a collective waiting for ranks that do not exist)
 python3 -c 'import pytest_timeout' 2>/dev/null && targs="--timeout=${TEST_TIMEOUT:-120}"
 python3 -m mcore_fixes suites "$dev/mlm-main.tar.gz" --baseline main --nproc "$ngpu" \
     --python "$py" --out /tmp/suites-main --timeout "${SUITES_TIMEOUT:-330}" \
-    --pytest-args "$targs" 2>&1 | tee -a "$out/suites-main.log"
+    --pytest-args="$targs" 2>&1 | tee -a "$out/suites-main.log"
 cp /tmp/suites-main/report.md "$out/suites-main-report.md"
 tar czf "$out/suites-main-junit.tgz" -C /tmp/suites-main .
 if [ -n "${fork_pid:-}" ]; then
