@@ -47,7 +47,9 @@ CKPT_ROOT = Path(tempfile.mkdtemp(prefix="distopt-ckpt-"))  # shared by the fork
 CKPT_IDS = itertools.count()
 EQUAL = (32, 32, 32)  # equal shapes: an old checkpoint loads silently permuted
 # Formats a version lists but can no longer write (dist_checkpointing rejects them).
-UNWRITABLE = ("flattened_range is not supported", "Unknown sharding_type")
+# Before 0.16 the bucket-space save asserts every state tensor has the shard's shape, so it
+# cannot hold torch Adam's per-param step (a 0-dim tensor).
+UNWRITABLE = ("flattened_range is not supported", "Unknown sharding_type", "(torch.Size([]), 0,")
 
 
 def _formats(opt):
