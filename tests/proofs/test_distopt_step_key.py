@@ -52,7 +52,21 @@ EQUAL = (32, 32, 32)  # equal shapes: an old checkpoint loads silently permuted
 UNWRITABLE = ("flattened_range is not supported", "Unknown sharding_type", "(torch.Size([]), 0,")
 
 
+def _async_writer_forks() -> bool:
+    """Before 0.16 dist_checkpointing writes from a process forked off the rank; from a rank
+    that is itself forked (these worlds), its result never reaches the rank's queue."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    return "ctx.Process(" in inspect.getsource(
+        filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc
+    )
+
+
 def _formats(opt):
+    if _async_writer_forks():
+        return ["legacy"]  # save_parameter_state: torch.save, no dist_checkpointing writer
     return [t for t in sharding_types(opt) if t != "fully_sharded_bucket_space"]
 
 
