@@ -59,9 +59,7 @@ def _async_writer_forks() -> bool:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    return "ctx.Process(" in inspect.getsource(
-        filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc
-    )
+    return "ctx.Process(" in inspect.getsource(filesystem_async)
 
 
 def _formats(opt):
