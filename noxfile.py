@@ -60,8 +60,11 @@ def _checkout_or_skip(session: nox.Session, baseline: str) -> None:
 @nox.session(tags=["ci"])
 def tool(session: nox.Session) -> None:
     """The tool's own tests: synthetic upstream repo, offline."""
-    session.install("pytest", *UPSTREAM_BLACK, "setuptools>=64,<80", "pybind11")  # setup.py
-    session.run("python", "-m", "pytest", "-q", "tests/tool", *session.posargs)
+    # setuptools, pybind11: setup.py; pytest-xdist: the ~150 small git/subprocess tests spread
+    # over every core (each test has its own tmp repos)
+    session.install("pytest", "pytest-xdist", *UPSTREAM_BLACK, "setuptools>=64,<80", "pybind11")
+    workers = os.environ.get("MCORE_FIXES_JOBS", str(os.cpu_count() or 1))
+    session.run("python", "-m", "pytest", "-q", "-n", workers, "tests/tool", *session.posargs)
 
 
 @nox.session(tags=["ci"])

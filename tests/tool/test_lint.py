@@ -38,6 +38,18 @@ def test_flags_only_the_patch_lines(tmp_path: Path) -> None:
     assert [p for p in lint.lint(tmp_path, [clean]) if "black" in p] == []
 
 
+@pytest.mark.skipif(shutil.which("black") is None, reason="needs black on PATH")
+def test_line_ranges_give_the_same_verdict(tmp_path: Path) -> None:
+    target = tmp_path / "megatron" / "core" / "x.py"
+    target.parent.mkdir(parents=True)
+    target.write_text("def upstream( a ):\n    return a\nvalue = {'a':1}\n")
+    numbers = lint.added_line_numbers(PATCH.replace("@@ -1,2 +1,3 @@", "@@ -2,0 +3 @@"))
+    assert numbers == {"megatron/core/x.py": {3}}
+    problems = lint.lint(tmp_path, [PATCH], only="black", line_numbers=numbers)
+    assert problems == ["megatron/core/x.py: black would rewrite: value = {'a':1}"]
+    assert lint._ranges({3, 4, 5, 9}) == ["--line-ranges=3-5", "--line-ranges=9-9"]
+
+
 NEW_FILE = """\
 diff --git a/tests/unit_tests/test_new.py b/tests/unit_tests/test_new.py
 new file mode 100644
