@@ -26,7 +26,6 @@ interference only ever adds time.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import socket
@@ -35,87 +34,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 PATHS = ("fp16_dynamic", "fp16_constant", "bf16")
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "barrier",
-    "broadcast",
-    "reduce",
-    "reduce_scatter_tensor",
-)
 ENCODER, LLM = "images", "language"
+PROOFS = Path(__file__).resolve().parents[1] / "tests" / "proofs"
 
 
 # --- worker side (runs with one tree on PYTHONPATH) -----------------------------------------
-
-
-def _host_mode() -> Any:
-    """TorchFunctionMode running MCore's hard-coded CUDA allocations on the host."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    class HostTensorsAsCuda(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            kwargs = dict(kwargs or {})
-            device = kwargs.get("device")
-            if device is not None and torch.device(device).type == "cuda":
-                kwargs["device"] = "cpu"
-            if func is torch.Tensor.cuda:
-                return args[0]
-            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-                name = func(*args)
-                if not args[0].is_cuda and name.startswith("torch."):
-                    return name.replace("torch.", "torch.cuda.", 1)
-                return name
-            return func(*args, **kwargs)
-
-        # DynamicGradScaler.load_state_dict() moves the scale to torch.cuda.current_device().
-        def __enter__(self):  # type: ignore[no-untyped-def]
-            self._current_device = torch.cuda.current_device
-            torch.cuda.current_device = lambda: 0
-            return super().__enter__()
-
-        def __exit__(self, *exc):  # type: ignore[no-untyped-def]
-            torch.cuda.current_device = self._current_device
-            return super().__exit__(*exc)
-
-    return HostTensorsAsCuda()
-
-
-@contextmanager
-def _count_world_collectives(calls: list[str]) -> Iterator[list[str]]:
-    """Append the name of every collective issued on the world group to ``calls``."""
-    import torch.distributed as dist
-
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            group = signature.bind(*args, **kwargs).arguments.get("group")
-            if group is None or group is dist.group.WORLD:
-                calls.append(name)
-            return original(*args, **kwargs)
-
-        return counting
-
-    for name, original in originals.items():
-        setattr(dist, name, wrap(name, original))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def _build_mimo(
@@ -181,12 +110,13 @@ def _set_grads(modules: list[Any]) -> None:
 
 def _measure(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
+    from _support import count_world_collectives
 
     result: dict[str, Any] = {}
     for path in PATHS:
         mimo, modules = _build_mimo(path, args.backend, args.device, args.world_size, args.hidden)
         _set_grads(modules)
-        with _count_world_collectives([]) as calls:
+        with count_world_collectives() as calls:
             success, _, _ = mimo.step()
         assert success, f"{path}: the counted step did not succeed"
         times = []
@@ -221,8 +151,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> Non
     dist.init_process_group(
         args.backend, rank=rank, world_size=args.world_size, timeout=timedelta(seconds=300)
     )
+    from _support import CudaOnCpu
+
     try:
-        with _host_mode() if args.device == "cpu" else nullcontext():
+        with CudaOnCpu() if args.device == "cpu" else nullcontext():
             result = _measure(rank, args)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -231,6 +163,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> Non
 
 def run_worker(args: argparse.Namespace) -> None:
     """Spawn the world for one tree; print per-path collectives and per-rank step times."""
+    sys.path.insert(0, str(PROOFS))  # the proofs' CudaOnCpu and collective counter
     import megatron.core.models.mimo.optimizer  # noqa: F401  (import once, before forking)
     import megatron.core.optimizer  # noqa: F401
     import torch.multiprocessing as mp

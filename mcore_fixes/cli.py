@@ -185,8 +185,11 @@ def cmd_prove(args: argparse.Namespace) -> int:
     selected = _selected(m, args.baseline)
     for b in selected:
         _tree_or_skip(args, b, progress)
+    # Longest first (more patches, more tree states), so that no job is left alone at the end.
+    order = sorted(selected, key=lambda b: -sum(p.id not in b.absent for p in m.patches))
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        cells = [c for row in pool.map(one, selected) for c in row]
+        rows = dict(zip([b.name for b in order], pool.map(one, order), strict=True))
+    cells = [c for b in selected for c in rows[b.name]]
     print(runs.summary(), file=sys.stderr)
     if args.timing:
         Path(args.timing).write_text(json.dumps(runs.as_json(), indent=1) + "\n")

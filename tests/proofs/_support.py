@@ -13,14 +13,20 @@ nothing else. It is disclosed in every proof that uses it; the GPU tier runs wit
 from __future__ import annotations
 
 import copy
+import gc
+import inspect
+import itertools
 import json
 import logging
 import multiprocessing
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -81,6 +87,62 @@ class CountAllReduce:
 
     def __exit__(self, *exc: object) -> None:
         dist.all_reduce = self._all_reduce
+
+
+WORLD_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "barrier",
+    "broadcast",
+    "reduce",
+    "reduce_scatter_tensor",
+)
+
+
+@contextmanager
+def count_world_collectives():
+    """Names of the torch.distributed collectives issued on the world group."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in WORLD_COLLECTIVES}
+
+    def wrap(name, original):
+        signature = inspect.signature(original)
+
+        def counting(*args, **kwargs):
+            group = signature.bind(*args, **kwargs).arguments.get("group")
+            if group is None or group is dist.group.WORLD:
+                calls.append(name)
+            return original(*args, **kwargs)
+
+        return counting
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+@contextmanager
+def replaced_prepare_grads(cls):
+    """Replace ``cls.prepare_grads`` the way hardware-adaptation layers do (a class-level
+    wrapper that calls the original); yields the list of optimizers it ran for."""
+    calls: list = []
+    original = cls.prepare_grads
+
+    def replacement(self):
+        calls.append(self)
+        return original(self)
+
+    cls.prepare_grads = replacement
+    try:
+        yield calls
+    finally:
+        cls.prepare_grads = original
 
 
 class CaptureLogs(logging.Handler):
@@ -168,8 +230,14 @@ def run_world(
         ctx.Process(target=_rank_main, args=(r, world_size, port, cases, out, init, shim))
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    # Ranks inherit the test process's heap (torch, megatron.core); frozen, the gc.collect()
+    # that MCore calls (e.g. in sharded_state_dict) need not walk it in every rank.
+    gc.freeze()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        gc.unfreeze()
     for p in procs:
         p.join(timeout)
     for p in procs:
@@ -330,8 +398,6 @@ def clone_tensors(obj):
 def sharding_types(opt) -> list[str]:
     """The distributed-checkpoint formats of this version's DistributedOptimizer, plus "legacy"
     (state_dict() + save_parameter_state(), torch.save of the DP-rank-0 gather)."""
-    import inspect
-
     source = inspect.getsource(type(opt).sharded_state_dict)
     known = (
         "dp_reshardable",
@@ -341,6 +407,21 @@ def sharding_types(opt) -> list[str]:
         "fully_sharded_bucket_space",
     )
     return ["legacy", *(t for t in known if f"'{t}'" in source or f'"{t}"' in source)]
+
+
+class CheckpointDirs:
+    """Checkpoint directories under one temp root, shared by the forked ranks of a proof."""
+
+    def __init__(self, prefix: str = "distopt-ckpt-") -> None:
+        self.root = Path(tempfile.mkdtemp(prefix=prefix))
+        self._ids = itertools.count()
+
+    def new(self, tag: str) -> Path:
+        """A fresh directory path, the same on every rank (ranks run the cases in one order)."""
+        return self.root / f"{tag}-{next(self._ids)}"
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def distopt_save(chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path, old_index=False):

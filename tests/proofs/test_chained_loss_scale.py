@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _support import CaptureLogs, CountAllReduce, check, run_world
+from _support import CaptureLogs, CountAllReduce, check, replaced_prepare_grads, run_world
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -207,15 +207,7 @@ def case_instance_hook_runs_once():
 
 def case_class_level_replacement_runs_once():
     # What hardware-adaptation layers do: replace MixedPrecisionOptimizer.prepare_grads.
-    calls = []
-    original = MixedPrecisionOptimizer.prepare_grads
-
-    def replacement(self):
-        calls.append(self)
-        return original(self)
-
-    MixedPrecisionOptimizer.prepare_grads = replacement
-    try:
+    with replaced_prepare_grads(MixedPrecisionOptimizer) as calls:
         dense, expert = _optimizer(_scaler()), _optimizer(_scaler())
         chained = ChainedOptimizer([dense, expert])
         assert _step(chained, [False, True]) is False
@@ -223,8 +215,6 @@ def case_class_level_replacement_runs_once():
         assert _state(dense.grad_scaler) == _state(expert.grad_scaler) == (4.0, 0, 0)
         _assert_exact_next_step(chained)
         assert len(calls) == 4
-    finally:
-        MixedPrecisionOptimizer.prepare_grads = original
 
 
 def case_copy_pasted_override_updating_own_scaler():

@@ -15,17 +15,13 @@ no-op ``torch.cuda.synchronize`` for the checkpoint writer.
 
 from __future__ import annotations
 
-import itertools
-import shutil
-import tempfile
-from pathlib import Path
-
 import megatron.core.dist_checkpointing  # noqa: F401 - imported once, before the ranks fork
 import megatron.core.distributed  # noqa: F401
 import megatron.core.optimizer  # noqa: F401
 import pytest
 import torch
 from _support import (
+    CheckpointDirs,
     MixedDtypeNet,
     build_distopt,
     check,
@@ -38,8 +34,7 @@ from _support import (
     sharding_types,
 )
 
-CKPT_ROOT = Path(tempfile.mkdtemp(prefix="distopt-ckpt-"))  # shared by the forked ranks
-CKPT_IDS = itertools.count()
+CKPT = CheckpointDirs()  # shared by the forked ranks
 
 
 def _round_trip(chunks) -> None:
@@ -47,7 +42,7 @@ def _round_trip(chunks) -> None:
     sharding_type = "dp_reshardable"
     if sharding_type not in sharding_types(opts[0]):
         sharding_type = "fully_sharded_bucket_space"
-    ckpt_dir = CKPT_ROOT / f"{sharding_type}-{next(CKPT_IDS)}"
+    ckpt_dir = CKPT.new(sharding_type)
     distopt_step(chunks, optimizer, 0)
     saved = [clone_tensors(list(own_state(opt).values())) for opt in opts]
     try:
@@ -101,7 +96,7 @@ def worlds(tmp_path_factory) -> dict:
     results = {
         n: run_world(CASES, n, tmp_path_factory.mktemp(f"w{n}"), init=_init) for n in WORLD_SIZES
     }
-    shutil.rmtree(CKPT_ROOT, ignore_errors=True)
+    CKPT.remove()
     return results
 
 

@@ -16,9 +16,6 @@ ranks (data-parallel sizes 1 and 2; and 2 ranks at data-parallel size 1). Disclo
 
 from __future__ import annotations
 
-import itertools
-import shutil
-import tempfile
 from pathlib import Path
 
 import megatron.core.dist_checkpointing  # noqa: F401 - imported once, before the ranks fork
@@ -27,6 +24,7 @@ import megatron.core.optimizer  # noqa: F401
 import pytest
 import torch
 from _support import (
+    CheckpointDirs,
     MixedDtypeNet,
     build_distopt,
     check,
@@ -42,8 +40,7 @@ from _support import (
 )
 
 EQUAL = (32, 32, 32)  # equal shapes
-CKPT_ROOT = Path(tempfile.mkdtemp(prefix="distopt-ckpt-"))  # shared by the forked ranks
-CKPT_IDS = itertools.count()
+CKPT = CheckpointDirs()  # shared by the forked ranks
 
 
 def _reshardable(opt):
@@ -99,7 +96,7 @@ def _save_load_reshardable(chunks, optimizer, opts, old_index: bool) -> list[str
     sharding_type = "dp_reshardable"
     if sharding_type not in sharding_types(opts[0]):
         sharding_type = "fully_sharded_bucket_space"
-    ckpt_dir = CKPT_ROOT / f"{sharding_type}-{next(CKPT_IDS)}"  # same on every rank
+    ckpt_dir = CKPT.new(sharding_type)  # same on every rank
     distopt_step(chunks, optimizer, 0)
     try:
         distopt_save(chunks, optimizer, opts, sharding_type, ckpt_dir, old_index=old_index)
@@ -156,7 +153,7 @@ def worlds(tmp_path_factory) -> dict:
     for name, (world_size, init, cases) in WORLDS.items():
         out: Path = tmp_path_factory.mktemp(name)
         results[name] = run_world(cases, world_size, out, init=init)
-    shutil.rmtree(CKPT_ROOT, ignore_errors=True)
+    CKPT.remove()
     return results
 
 

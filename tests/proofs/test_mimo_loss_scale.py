@@ -16,12 +16,17 @@ process, under the disclosed `CudaOnCpu` shim (placement only).
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
-from _support import CaptureLogs, check, run_world
+from _support import (
+    CaptureLogs,
+    check,
+    count_world_collectives,
+    replaced_prepare_grads,
+    run_world,
+)
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
 from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
@@ -50,44 +55,6 @@ def world_collectives_per_step() -> dict[str, int]:
         "fp16_dynamic": clean,
         "fp16_dynamic_overflow": 1,
     }
-
-
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "barrier",
-    "broadcast",
-    "reduce",
-    "reduce_scatter_tensor",
-)
-
-
-@contextmanager
-def count_world_collectives():
-    """Names of the torch.distributed collectives issued on the world group."""
-    calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def wrap(name, original):
-        signature = inspect.signature(original)
-
-        def counting(*args, **kwargs):
-            group = signature.bind(*args, **kwargs).arguments.get("group")
-            if group is None or group is dist.group.WORLD:
-                calls.append(name)
-            return original(*args, **kwargs)
-
-        return counting
-
-    for name, original in originals.items():
-        setattr(dist, name, wrap(name, original))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def _grid(rank_offset: int) -> HyperCommGrid:
@@ -335,22 +302,12 @@ def case_instance_hooks_run_once():
 
 
 def case_class_level_replacement_runs_once():
-    calls = []
-    original = MixedPrecisionOptimizer.prepare_grads
-
-    def replacement(self):
-        calls.append(self)
-        return original(self)
-
-    MixedPrecisionOptimizer.prepare_grads = replacement
-    try:
+    with replaced_prepare_grads(MixedPrecisionOptimizer) as calls:
         world = Mimo(_config(), _grids(dist.get_world_size()))
         world.set_grads(overflow=ENCODER)
         world.mimo.step()
         _all_equal(world, (4.0, 0, 0))
         assert calls == [p for parts in world.leaves.values() for p in parts], calls
-    finally:
-        MixedPrecisionOptimizer.prepare_grads = original
 
 
 def case_copy_pasted_override_updating_own_scaler():

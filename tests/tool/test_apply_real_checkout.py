@@ -1,4 +1,4 @@
-"""`apply` on real Megatron-LM worktrees (core_v0.19.0 and main); needs MCORE_REPO.
+"""`apply` on real Megatron-LM worktrees (core_v0.19.0, main and dev); needs MCORE_REPO.
 
 The user's checkout is never touched: each test makes a shared clone of it in a temp dir and
 a linked worktree of that clone at the baseline's pinned commit.
@@ -6,7 +6,9 @@ a linked worktree of that clone at the baseline's pinned commit.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,16 +43,24 @@ def snapshot(tree: Path) -> tuple[str, str, str]:
     return (git(tree, "rev-parse", "HEAD"), git(tree, "diff", "--cached"), git(tree, "diff"))
 
 
-@pytest.fixture(params=["core_v0.19.0", "main"])
-def worktree(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, str]:
-    name = request.param
+def make_worktree(tmp_path: Path, name: str, *where: str) -> Path:
+    """A linked worktree of a shared clone of MCORE_REPO at baseline `name`'s pinned commit.
+
+    `where`: how `git worktree add` places HEAD there (default detached).
+    """
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", MCORE_REPO, str(clone)])
     tree = tmp_path / name
-    git(clone, "worktree", "add", "-q", "--detach", str(tree), MANIFEST.baselines[name].commit)
+    git(clone, "worktree", "add", "-q", *(where or ("--detach",)), str(tree),
+        MANIFEST.baselines[name].commit)  # fmt: skip
     git(tree, "config", "user.name", "test")
     git(tree, "config", "user.email", "test@example.com")
-    return tree, name
+    return tree
+
+
+@pytest.fixture(params=["core_v0.19.0", "main"])
+def worktree(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, str]:
+    return make_worktree(tmp_path, request.param), request.param
 
 
 def test_apply_commits_then_is_idempotent(worktree: tuple[Path, str]) -> None:
@@ -97,3 +107,32 @@ def test_apply_conflict_leaves_checkout_untouched(worktree: tuple[Path, str]) ->
     assert "distrib_optimizer.py" in result.stderr
     assert snapshot(tree) == before
     assert not git(tree, "status", "--porcelain")
+
+
+def test_apply_to_dev_skips_what_upstream_fixed(tmp_path: Path) -> None:
+    """dev has upstream's own fix of the distopt index (#5835): skipped, the rest applied."""
+    dev = MANIFEST.baselines["dev"]
+    tree = make_worktree(tmp_path, "dev", "-b", "dev-work")
+    r = tool("apply", str(tree))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "baseline dev (HEAD is the pinned commit of dev)" in r.stdout
+    for patch_id, commit in dev.fixed_upstream.items():
+        assert f"{patch_id}: fixed upstream ({commit}), skipped" in r.stdout
+    rest = [
+        p.id for p in MANIFEST.patches if p.id not in dev.fixed_upstream and p.id not in dev.absent
+    ]
+    log = git(tree, "log", "--format=%s", f"{dev.commit}..HEAD").splitlines()
+    assert 0 < len(log) <= len(rest)
+    assert "committed" in r.stdout
+
+    # status on dev: no conflict (a private project root: the clone's build/ is not touched)
+    project = tmp_path / "proj"
+    shutil.copytree(ROOT / "patches", project / "patches")
+    shutil.copytree(ROOT / "tests" / "proofs", project / "tests" / "proofs")
+    r = tool(
+        "--root", str(project), "status", "--json", "--baseline", "dev", "--mcore-repo", MCORE_REPO
+    )
+    assert r.returncode == 0, r.stderr
+    states = {c["patch"]: c["state"] for c in json.loads(r.stdout)["cells"]}
+    assert "conflict" not in states.values(), states
+    assert states["distopt-param-index"] == "fixed-upstream"

@@ -7,7 +7,7 @@ import json
 import shutil
 import sys
 
-from toolworld import UTIL_V3, commit_all, git, snapshot, upstream_branch, write
+from toolworld import UTIL_V3, add_git_baseline, commit_all, git, snapshot, upstream_branch, write
 
 # Upstream's own fix of join-sep's bug, written differently: join-sep conflicts, its proof passes.
 UTIL_V4 = UTIL_V3.replace(
@@ -31,9 +31,7 @@ def test_branch_names_the_line(world, project, tool, tmp_path):
     write(co, "DEV.md", "dev\n")
     pin = commit_all(co, "dev work")
     git(co, "commit", "-q", "--allow-empty", "-m", "later dev work")
-    with (project / "patches/manifest.toml").open("a") as f:
-        f.write(f'\n[baselines.dev]\nsource = "git"\nref = "dev"\ncommit = "{pin}"\n')
-        f.write('version = "0.2.0"\n')
+    add_git_baseline(project, "dev", pin, "0.2.0")
     r = tool(project, "apply", "--no-commit", co)
     assert "baseline dev (branch dev, 1 commit(s) after the pinned commit of dev)" in r.out, r.err
 
@@ -69,11 +67,8 @@ def _upstream_with_own_fix(world, tmp_path):
 
 
 def _add_v4(project, commit, recorded: str = "") -> None:
-    text = f'\n[baselines.v4]\nsource = "git"\nref = "v4"\ncommit = "{commit}"\nversion = "0.4.0"\n'
-    if recorded:
-        text += f'[baselines.v4.fixed-upstream]\njoin-sep = "{recorded}"\n'
-    with (project / "patches/manifest.toml").open("a") as f:
-        f.write(text)
+    fixed = {"join-sep": recorded} if recorded else {}
+    add_git_baseline(project, "v4", commit, "0.4.0", fixed_upstream=fixed)
 
 
 def test_fixed_upstream_measured_by_prove(world, project, tool, tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from toolworld import CALC_BUGGY, MAIN, PATCH_FILES, upstream_branch
+from toolworld import CALC_BUGGY, MAIN, PATCH_FILES, add_git_baseline, upstream_branch
 
 from mcore_fixes import manifest as manifest_mod
 from mcore_fixes import variants
@@ -26,15 +26,10 @@ def _upstream_with_moved_context(world, tmp_path):
 
 
 def _add_v5(project, commit, backport: str = "") -> None:
-    text = (
-        f'\n[baselines.v5]\nsource = "git"\nref = "v5"\ncommit = "{commit}"\nversion = "0.5.0"\n'
-        'absent = { weak-test = "no constants.py" }\n'
-        'variants = { fix-mean = "v5/0001-fix-mean.patch" }\n'
-    )
-    if backport:
-        text += f'[baselines.v5.backports]\nfix-mean = "{backport}"\n'
-    with (project / "patches/manifest.toml").open("a") as f:
-        f.write(text)
+    extra = 'absent = { weak-test = "no constants.py" }\n'
+    extra += 'variants = { fix-mean = "v5/0001-fix-mean.patch" }\n'
+    backports = {"fix-mean": backport} if backport else {}
+    add_git_baseline(project, "v5", commit, "0.5.0", extra, backports=backports)
 
 
 def test_drifted_variant_is_found_and_regen_restores_it(world, project, tool, tmp_path):

@@ -382,6 +382,24 @@ def upstream_branch(
     return up, commit
 
 
+def add_git_baseline(
+    project: Path, name: str, commit: str, version: str, extra: str = "", **tables: dict[str, str]
+) -> None:
+    """Append git baseline `name` (ref = its name) to the project's manifest.
+
+    `extra`: more keys of the baseline's table (TOML lines); `tables`: its sub-tables by name
+    (``fixed_upstream={"join-sep": "abc"}`` writes ``[baselines.<name>.fixed-upstream]``).
+    """
+    text = f'\n[baselines.{name}]\nsource = "git"\nref = "{name}"\ncommit = "{commit}"\n'
+    text += f'version = "{version}"\n{extra}'
+    for table, keys in tables.items():
+        if keys:
+            text += f"[baselines.{name}.{table.replace('_', '-')}]\n"
+            text += "".join(f'{k} = "{v}"\n' for k, v in keys.items())
+    with (project / "patches/manifest.toml").open("a") as f:
+        f.write(text)
+
+
 def build_world(base: Path) -> World:
     """Build the synthetic upstream, the toy series, the cached sdist and the template."""
     up = base / "upstream"
