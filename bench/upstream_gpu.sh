@@ -3,15 +3,17 @@
 # carried tests under torchrun (`python -m mcore_fixes suites`), and, alongside on the CPU, the
 # fork wheel installed with `pip install --no-deps` and our CPU proofs run against it.
 #
-#   bash bench/upstream_gpu.sh DEV_DIR OUT
+#   bash bench/upstream_gpu.sh DEV_DIR OUT [BASELINE...]     (default: main)
 #
-# DEV_DIR holds mlm-main.tar.gz (`git archive` of a full Megatron-LM main checkout), whl/*.whl
-# (packages the machine lacks, e.g. mock) and, optionally, fork/*.whl (a fork wheel built with
-# `pip wheel --no-deps .`). Writes suites-main.log, suites-main-report.md, suites-main-junit.tgz
-# and fork-wheel.log into OUT.
+# DEV_DIR holds mlm-<BASELINE>.tar.gz per baseline (`git archive` of a full Megatron-LM checkout
+# at its pinned commit), whl/*.whl (packages the machine lacks, e.g. mock) and, optionally,
+# fork/*.whl (a fork wheel built with `pip wheel --no-deps .`). Writes suites-<BASELINE>.log,
+# suites-<BASELINE>-report.md, suites-<BASELINE>-junit.tgz and fork-wheel.log into OUT.
 set -uo pipefail
 dev=$(cd "$1" && pwd)
 out=$2
+shift 2
+baselines=("${@:-main}")
 proj=$(pwd)
 py=$(command -v python3)
 mkdir -p "$out" /opt/data # upstream's conftest downloads test data unless /opt/data has a file
@@ -27,7 +29,7 @@ ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
     nvidia-smi -L
     python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)'
     git --version
-} 2>&1 | tee "$out/suites-main.log"
+} 2>&1 | tee "$out/device.log"
 
 fork_wheel() {
     set -x
@@ -52,11 +54,14 @@ fi
 
 targs=""  # a test that hangs (a collective waiting for ranks that do not exist) must not stall all
 python3 -c 'import pytest_timeout' 2>/dev/null && targs="--timeout=${TEST_TIMEOUT:-120}"
-python3 -m mcore_fixes suites "$dev/mlm-main.tar.gz" --baseline main --nproc "$ngpu" \
-    --python "$py" --out /tmp/suites-main --timeout "${SUITES_TIMEOUT:-330}" \
-    --pytest-args="$targs" 2>&1 | tee -a "$out/suites-main.log"
-cp /tmp/suites-main/report.md "$out/suites-main-report.md"
-tar czf "$out/suites-main-junit.tgz" -C /tmp/suites-main .
+for b in "${baselines[@]}"; do
+    cp "$out/device.log" "$out/suites-$b.log"
+    python3 -m mcore_fixes suites "$dev/mlm-$b.tar.gz" --baseline "$b" --nproc "$ngpu" \
+        --python "$py" --out "/tmp/suites-$b" --timeout "${SUITES_TIMEOUT:-330}" \
+        --pytest-args="$targs" 2>&1 | tee -a "$out/suites-$b.log"
+    cp "/tmp/suites-$b/report.md" "$out/suites-$b-report.md"
+    tar czf "$out/suites-$b-junit.tgz" -C "/tmp/suites-$b" .
+done
 if [ -n "${fork_pid:-}" ]; then
     wait "$fork_pid"
     echo "fork wheel check: exit $?" >>"$out/fork-wheel.log"

@@ -38,7 +38,7 @@ from pathlib import Path
 from . import git
 from .errors import UserError
 from .manifest import Baseline, Manifest
-from .series import APPLIES, apply_series, read_patch
+from .series import ABSENT, APPLIES, FIXED, OK_STATES, apply_series, read_patch
 
 SUITES = (
     "tests/unit_tests/test_optimizer.py",
@@ -230,11 +230,14 @@ def _prepare(work: Path, source: Path, m: Manifest, b: Baseline, say) -> tuple[P
     git.run(repo, "commit", "-q", "--no-verify", "-m", f"pristine {b.name}", env=git.TOOL_IDENTITY)
     git.run(repo, "tag", "pristine")
     cells = apply_series(repo, m, b)
-    bad = [c for c in cells if c.state not in (APPLIES, "applied-upstream", "absent")]
+    bad = [c for c in cells if c.state not in (*OK_STATES, ABSENT)]
     if bad:
         raise UserError(
             f"the series does not apply to this checkout: {bad[0].patch}: {bad[0].detail}"
         )
+    for c in cells:
+        if c.state == FIXED:  # upstream's own fix is in pristine: nothing of ours to carry
+            say(f"{c.patch}: fixed upstream ({c.detail}), skipped")
     texts = [read_patch(m.root / c.file) for c in cells if c.state == APPLIES]
     head = git.out(repo, "rev-parse", "HEAD")
     git.run(repo, "worktree", "add", "-q", "--detach", str(work / "pristine"), "pristine")
@@ -352,11 +355,14 @@ def report(b, nproc, cells, suites, carried, outcomes, rcs) -> list[str]:
     pristine = outcomes.get("pristine", Outcomes())
     patched = outcomes.get("patched", Outcomes())
     tests_only = outcomes.get("tests-only", Outcomes())
+    fixed = [f"fixed upstream, not applied: {c.patch}: {c.detail}" for c in cells
+             if c.state == FIXED]  # fmt: skip
     lines = [
         f"# Upstream suites on {b.name}, pristine vs patched "
         f"(torchrun --nproc_per_node={nproc} -m pytest)",
         "",
         "patches: " + ", ".join(c.patch for c in cells if c.state == APPLIES),
+        *fixed,
         "suites: " + ", ".join(suites),
         "exit status: " + ", ".join(f"{s} {rc}" for s, rc in rcs.items()),
         "",

@@ -7,7 +7,16 @@ import json
 import shutil
 import sys
 
-from toolworld import UTIL_V3, add_git_baseline, commit_all, git, snapshot, upstream_branch, write
+from toolworld import (
+    UTIL_V3,
+    add_git_baseline,
+    commit_all,
+    fake_torchrun,
+    git,
+    snapshot,
+    upstream_branch,
+    write,
+)
 
 # Upstream's own fix of join-sep's bug, written differently: join-sep conflicts, its proof passes.
 UTIL_V4 = UTIL_V3.replace(
@@ -104,10 +113,16 @@ def test_fixed_upstream_recorded_is_skipped_and_the_series_goes_on(world, projec
     store = json.loads((project / "build/proofs/v4.json").read_text())
     assert store["join-sep"]["verdict"] == "fixed-upstream"
 
-    # A user's checkout of that commit: apply skips it and commits the rest.
+    # A user's checkout of that commit: suites and apply skip it and carry on with the rest.
     co = tmp_path / "co"
     git(world.base, "clone", "-q", str(up), str(co))
     git(co, "checkout", "-q", "v4")
+    suites = ("suites", co, "--baseline", "v4", "--python", fake_torchrun(tmp_path))
+    r = tool(project, *suites, "--out", tmp_path / "out", "--suite", "tests/unit_tests")
+    assert r.rc == 0, r.text
+    assert "join-sep: fixed upstream (Applied-Upstream: 0123456789ab (#42)" in r.out
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "patches: weak-test\n" in report and "fixed upstream, not applied: join-sep" in report
     r = tool(project, "apply", co)
     assert r.rc == 0, r.err
     assert "baseline v4 (HEAD is the pinned commit of v4)" in r.out

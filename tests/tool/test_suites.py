@@ -6,9 +6,7 @@ The real run needs GPUs and torchrun; here a stand-in `torchrun` (rank 0 of one,
 
 from __future__ import annotations
 
-import stat
-import sys
-from pathlib import Path
+from toolworld import fake_torchrun
 
 from mcore_fixes import suites
 
@@ -33,16 +31,6 @@ diff --git a/megatron/core/x.py b/megatron/core/x.py
 -def test_not_a_test(): pass
 +def test_not_a_test(): return 1
 """
-
-TORCHRUN = """#!{python}
-import os, subprocess, sys
-args = sys.argv[1:]
-while args and args[0].startswith("--"):
-    args.pop(0)
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-sys.exit(subprocess.call([sys.executable, *args]))
-"""
-
 
 def test_carried_tests_are_the_added_and_changed_test_functions():
     assert suites.carried_tests([PATCH]) == {
@@ -71,22 +59,10 @@ def test_junit_merge_takes_the_worst_rank(tmp_path):
     assert got.by_id == {"tests.a::test_b": "failed"} and got.files == 2
 
 
-def _fake_torch(tmp_path: Path) -> str:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    python = bin_dir / "python"
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    torchrun = bin_dir / "torchrun"
-    torchrun.write_text(TORCHRUN.format(python=sys.executable))
-    for f in (python, torchrun):
-        f.chmod(f.stat().st_mode | stat.S_IEXEC)
-    return str(python)
-
-
 def test_pristine_vs_patched_on_a_checkout(world, project, tool, tmp_path):
     checkout = world.clone(tmp_path / "Megatron-LM", "core_v0.1.0")
     out = tmp_path / "out"
-    args = ["suites", checkout, "--baseline", "0.1.0", "--python", _fake_torch(tmp_path)]
+    args = ["suites", checkout, "--baseline", "0.1.0", "--python", fake_torchrun(tmp_path)]
     res = tool(project, *args, "--out", out, "--suite", "tests/unit_tests")
     assert res.rc == 0, res.text
     report = (out / "report.md").read_text()

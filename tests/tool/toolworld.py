@@ -29,6 +29,7 @@ import hashlib
 import io
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -380,6 +381,29 @@ def upstream_branch(
     commit = commit_all(work, f"Upstream change on {branch}")
     git(work, "push", "-q", "origin", f"{commit}:refs/heads/{branch}")
     return up, commit
+
+
+TORCHRUN = """#!{python}
+import os, subprocess, sys
+args = sys.argv[1:]
+while args and args[0].startswith("--"):
+    args.pop(0)
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+sys.exit(subprocess.call([sys.executable, *args]))
+"""
+
+
+def fake_torchrun(tmp_path: Path) -> str:
+    """A `python` whose folder has a stand-in `torchrun` (rank 0 of one, then the command)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    torchrun = bin_dir / "torchrun"
+    torchrun.write_text(TORCHRUN.format(python=sys.executable))
+    for f in (python, torchrun):
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    return str(python)
 
 
 def add_git_baseline(
