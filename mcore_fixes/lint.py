@@ -480,8 +480,8 @@ def lint_patches(
             else:
                 why = ""
                 up = upstream_inputs(mcore_repo, b.commit, Path(scratch))
-                if python is None:
-                    python = tools_python or str(tool_env(root, up.pins))
+                # each baseline's own pins (a tag pins older black than main): one env per pin set
+                python = tools_python or str(tool_env(root, up.pins))
                 check_versions(python, up)
             cells = apply_series(tree, manifest, b)
             say(f"{b.name}: tools: {versions_line(python if up else None, up)}")
