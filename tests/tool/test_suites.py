@@ -32,6 +32,7 @@ diff --git a/megatron/core/x.py b/megatron/core/x.py
 +def test_not_a_test(): return 1
 """
 
+
 def test_carried_tests_are_the_added_and_changed_test_functions():
     assert suites.carried_tests([PATCH]) == {
         "tests/unit_tests/test_optimizer.py": {"test_scales_agree", "test_changed_body"}
