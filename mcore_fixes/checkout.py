@@ -197,6 +197,7 @@ def _apply(
 
     # Classify each patch against HEAD in a scratch index: the checkout is not touched.
     orig = git.out(checkout, "rev-parse", "HEAD")
+    contained = _contained_prefix(manifest, checkout, b, orig, state)
     env = {"GIT_INDEX_FILE": str(state / "index")}
     git.run(checkout, "read-tree", orig, env=env)
     report: list[tuple[str, str]] = []
@@ -207,7 +208,9 @@ def _apply(
             report.append((p.id, f"absent on {b.name}: {b.absent[p.id]}"))
             continue
         text = read_patch(path)
-        if git.ok(checkout, *APPLY, "--cached", "-R", "--check", str(path), env=env):
+        if p.id in contained or git.ok(
+            checkout, *APPLY, "--cached", "-R", "--check", str(path), env=env
+        ):
             report.append((p.id, "already applied"))
             continue
         proc = git.run(checkout, *APPLY, "--cached", str(path), check=False, env=env)
@@ -227,7 +230,7 @@ def _apply(
     touched = sorted({t for _, _, text in todo for t in git.touched_paths(text)})
     dirty = git.out(checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched)
     if dirty:
-        if git.ok(checkout, *APPLY, "--index", "-R", "--check", *files):
+        if git.ok(checkout, *APPLY, "--index", "-R", "--check", *reversed(files)):
             if not commit:
                 return _ordered(manifest, report, todo, "already applied (staged, not committed)")
             raise CheckFailed(
@@ -266,6 +269,31 @@ def _apply(
     if proc.returncode != 0:
         raise CheckFailed(f"{checkout} left unchanged: git failed: {proc.stderr.strip()}")
     return _ordered(manifest, report, todo, "committed")
+
+
+def _contained_prefix(
+    manifest: Manifest, checkout: Path, b: Baseline, orig: str, state: Path
+) -> set[str]:
+    """The patches of the longest leading part of the series that `orig` already contains.
+
+    A later patch may change lines an earlier one wrote, so an applied series reverse-applies
+    only as a whole, last patch first (each patch alone need not). Patches upstream fixed its
+    own way (not in the tree) are stepped over.
+    """
+    chain = [(p.id, path) for p in manifest.patches if (path := manifest.patch_file(b, p))]
+    env = {"GIT_INDEX_FILE": str(state / "index-prefix")}
+    for k in range(len(chain), 0, -1):
+        git.run(checkout, "read-tree", orig, env=env)
+        undone: set[str] = set()
+        for patch_id, path in reversed(chain[:k]):
+            if git.ok(checkout, *APPLY, "--cached", "-R", str(path), env=env):
+                undone.add(patch_id)
+            elif patch_id not in b.fixed_upstream:
+                break
+        else:
+            if undone:
+                return undone
+    return set()
 
 
 def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:

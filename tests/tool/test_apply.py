@@ -43,6 +43,32 @@ def test_apply_detects_by_version_and_commits_each_patch(world, project, tool, t
     assert git(co, "rev-parse", "HEAD") == head
 
 
+def test_reapply_when_a_later_patch_rewrites_an_earlier_ones_lines(world, project, tool, tmp_path):
+    # A 4th patch edits the line fix-mean wrote: fix-mean alone no longer reverse-applies on
+    # the patched checkout, the series does (last patch first), so applying again is a no-op.
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    assert tool(project, "apply", co).rc == 0
+    calc = co / "megatron/core/calc.py"
+    calc.write_text(CALC_FIXED.replace("total / len(values)", "total / max(len(values), 1)"))
+    git(co, "commit", "-q", "-am", "Guard mean() against an empty sequence")
+    text = git(co, "format-patch", "-1", "--stdout", "--zero-commit", "--no-signature")
+    (project / "patches/0004-mean-guard.patch").write_text(text)
+    with (project / "patches/manifest.toml").open("r+") as f:
+        manifest = f.read()
+        f.seek(0)
+        entry = '[[patch]]\nid = "mean-guard"\nfile = "0004-mean-guard.patch"\nfix = 1\n\n'
+        f.write(manifest.replace("[baselines.", entry + "[baselines.", 1))
+    fresh = world.clone(tmp_path / "fresh", "core_v0.1.0")
+    r = tool(project, "apply", fresh)
+    assert r.rc == 0, r.err
+    assert "  mean-guard: committed" in r.out
+    head = git(fresh, "rev-parse", "HEAD")
+    r = tool(project, "apply", fresh)
+    assert r.rc == 0, r.err
+    assert "nothing to do" in r.out and r.out.count(": already applied") == 4
+    assert git(fresh, "rev-parse", "HEAD") == head
+
+
 def test_apply_to_linked_worktree_detects_pinned_commit(world, project, tool, tmp_path):
     co = world.clone(tmp_path / "co", "core_v0.1.0")
     wt = tmp_path / "wt"

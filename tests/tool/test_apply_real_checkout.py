@@ -96,9 +96,11 @@ def test_apply_conflict_leaves_checkout_untouched(worktree: tuple[Path, str]) ->
     tree, _ = worktree
     target = tree / "megatron/core/optimizer/distrib_optimizer.py"
     text = target.read_text()
-    anchor = "                        group_range = group_ranges[group_index]\n"
-    assert anchor in text
-    target.write_text(text.replace(anchor, anchor.replace("group_range =", "group_range  =")))
+    # a context line of distopt-param-index's first hunk (the call that builds the groups)
+    anchor = " " * 12 + "self.gbuf_ranges, self.model_param_gbuf_map, self.opt_group_ranges, "
+    anchor += "config\n"
+    assert text.count(anchor) == 1
+    target.write_text(text.replace(anchor, anchor.replace("config", "config  # local")))
     git(tree, "commit", "-qam", "local change in a patched hunk")
     before = snapshot(tree)
     result = tool("apply", str(tree))
