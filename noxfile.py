@@ -21,8 +21,8 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+from mcore_fixes import lint, sources  # noqa: E402
 from mcore_fixes import manifest as manifest_mod  # noqa: E402
-from mcore_fixes import sources  # noqa: E402
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
@@ -33,7 +33,13 @@ BASELINES = list(MANIFEST.baselines)
 TORCH = os.environ.get("MCORE_FIXES_TORCH", "torch==2.13.0")
 # MCore imports these on CPU; 0.18.2+ import triton unguarded (MoE paged stash).
 TEST_DEPS = ("numpy", "packaging", "pytest", "einops")
-UPSTREAM_BLACK = ("black==26.3.0", "isort==5.13.2")
+# Upstream main's pins of its lint tools (mcore_fixes/lint.py), and the griffe we measured with.
+UPSTREAM_BLACK = tuple(f"{n}=={lint.DEFAULT_PINS[n]}" for n in ("black", "isort"))
+UPSTREAM_LINT = (
+    *UPSTREAM_BLACK,
+    f"pylint=={lint.DEFAULT_PINS['pylint']}",
+    f"griffe=={lint.GRIFFE}",
+)
 
 if "PIP_FIND_LINKS" in os.environ:
     os.environ.setdefault("UV_FIND_LINKS", os.environ["PIP_FIND_LINKS"])
@@ -60,9 +66,9 @@ def _checkout_or_skip(session: nox.Session, baseline: str) -> None:
 @nox.session(tags=["ci"])
 def tool(session: nox.Session) -> None:
     """The tool's own tests: synthetic upstream repo, offline."""
-    # setuptools, pybind11: setup.py; pytest-xdist: the ~150 small git/subprocess tests spread
-    # over every core (each test has its own tmp repos)
-    session.install("pytest", "pytest-xdist", *UPSTREAM_BLACK, "setuptools>=64,<80", "pybind11")
+    # setuptools, pybind11: setup.py; pytest-xdist: the ~160 small git/subprocess tests spread
+    # over every core (each test has its own tmp repos); pylint, griffe: lint-patches end to end
+    session.install("pytest", "pytest-xdist", *UPSTREAM_LINT, "setuptools>=64,<80", "pybind11")
     workers = os.environ.get("MCORE_FIXES_JOBS", str(os.cpu_count() or 1))
     session.run("python", "-m", "pytest", "-q", "-n", workers, "tests/tool", *session.posargs)
 
