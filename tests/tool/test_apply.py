@@ -12,6 +12,15 @@ def log(repo, n):
     return git(repo, "log", f"-{n}", "--reverse", "--format=%an <%ae>|%aI|%s").splitlines()
 
 
+def assert_reapply_is_a_noop(tool, project, co, n_patches: int) -> None:
+    """Applying again changes nothing and says so for every patch."""
+    head = git(co, "rev-parse", "HEAD")
+    r = tool(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert "nothing to do" in r.out and r.out.count(": already applied") == n_patches
+    assert git(co, "rev-parse", "HEAD") == head
+
+
 def test_apply_detects_by_version_and_commits_each_patch(world, project, tool, tmp_path):
     co = world.clone(tmp_path / "co", "core_v0.1.0")
     base = git(co, "rev-parse", "HEAD").strip()
@@ -35,12 +44,7 @@ def test_apply_detects_by_version_and_commits_each_patch(world, project, tool, t
     assert (co / "megatron/core/calc.py").read_text() == CALC_FIXED
     assert (co / TEST_FILES["fix-mean"]).exists()
 
-    # Re-applying is a no-op that says so.
-    head = git(co, "rev-parse", "HEAD")
-    r = tool(project, "apply", co)
-    assert r.rc == 0, r.err
-    assert "nothing to do" in r.out and r.out.count(": already applied") == 3
-    assert git(co, "rev-parse", "HEAD") == head
+    assert_reapply_is_a_noop(tool, project, co, 3)
 
 
 def test_reapply_when_a_later_patch_rewrites_an_earlier_ones_lines(world, project, tool, tmp_path):
@@ -62,11 +66,7 @@ def test_reapply_when_a_later_patch_rewrites_an_earlier_ones_lines(world, projec
     r = tool(project, "apply", fresh)
     assert r.rc == 0, r.err
     assert "  mean-guard: committed" in r.out
-    head = git(fresh, "rev-parse", "HEAD")
-    r = tool(project, "apply", fresh)
-    assert r.rc == 0, r.err
-    assert "nothing to do" in r.out and r.out.count(": already applied") == 4
-    assert git(fresh, "rev-parse", "HEAD") == head
+    assert_reapply_is_a_noop(tool, project, fresh, 4)
 
 
 def test_apply_to_linked_worktree_detects_pinned_commit(world, project, tool, tmp_path):
