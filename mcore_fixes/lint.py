@@ -181,7 +181,11 @@ def lint(
 
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode == 2 and "--line-ranges" in proc.stderr:  # a black before 23.11 (pins)
+        cmd = [a for a in cmd if not a.startswith("--line-ranges=")]
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    return proc
 
 
 def copyright_problems(tree: Path, patch_text: str) -> list[str]:

@@ -50,6 +50,25 @@ def test_line_ranges_give_the_same_verdict(tmp_path: Path) -> None:
     assert lint._ranges({3, 4, 5, 9}) == ["--line-ranges=3-5", "--line-ranges=9-9"]
 
 
+@pytest.mark.skipif(shutil.which("black") is None, reason="needs black on PATH")
+def test_black_without_line_ranges_formats_the_whole_file(tmp_path: Path) -> None:
+    # A checkout may pin a black before 23.11 (no --line-ranges): same verdict, whole file.
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    old_black = tools / "black"
+    old_black.write_text(
+        "#!/bin/sh\nfor a; do case $a in --line-ranges*) echo \"No such option '--line-ranges'\""
+        f' >&2; exit 2;; esac; done\nexec {shutil.which("black")} "$@"\n'
+    )
+    old_black.chmod(0o755)
+    target = tmp_path / "tree" / "megatron" / "core" / "x.py"
+    target.parent.mkdir(parents=True)
+    target.write_text("def upstream( a ):\n    return a\nvalue = {'a':1}\n")
+    numbers = {"megatron/core/x.py": {3}}
+    problems = lint.lint(tmp_path / "tree", [PATCH], tools, only="black", line_numbers=numbers)
+    assert problems == ["megatron/core/x.py: black would rewrite: value = {'a':1}"]
+
+
 NEW_FILE = """\
 diff --git a/tests/unit_tests/test_new.py b/tests/unit_tests/test_new.py
 new file mode 100644
