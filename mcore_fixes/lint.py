@@ -55,6 +55,7 @@ GRIFFE = "2.4.1"
 API_SCRIPT = "scripts/check_api_backwards_compatibility.py"
 PYLINTRC = ".pylintrc"
 CHECKS = ("api", "copyright", "pylint", "black", "isort")
+FORMATTERS = ("black", "isort")
 
 # FW-CI-templates _copyright_check.yml: `head -n 10 | egrep -iv` of these patterns.
 _COPYRIGHT_OK = re.compile(
@@ -147,16 +148,32 @@ def lint(
 ) -> list[str]:
     """black/isort problems in the lines the patches add to Python files of `tree` (empty: clean).
 
-    `only` limits to one formatter ("black" or "isort"). `line_numbers` (per file, the lines
-    the patches add in `tree`) lets black format just those statements (``--line-ranges``): the
-    same verdict on our lines, without formatting the rest of a 3000-line upstream file.
+    `only` limits to one formatter ("black" or "isort"); the rest as in `problems_by_formatter`.
+    """
+    names = (only,) if only else FORMATTERS
+    found = problems_by_formatter(tree, patch_texts, tools_bin, names, line_numbers)
+    return [problem for name in names for problem in found[name]]
+
+
+def problems_by_formatter(
+    tree: Path,
+    patch_texts: list[str],
+    tools_bin: Path | None = None,
+    names: tuple[str, ...] = FORMATTERS,
+    line_numbers: dict[str, set[int]] | None = None,
+) -> dict[str, list[str]]:
+    """Per formatter of `names`, its problems in the lines the patches add (empty: clean).
+
+    `line_numbers` (per file, the lines the patches add in `tree`) lets black format just those
+    statements (``--line-ranges``): the same verdict on our lines, without formatting the rest
+    of a 3000-line upstream file. The formatters run side by side, one process per core.
     """
     black, isort = _formatters(tools_bin)
     ours: dict[str, set[str]] = {}
     for text in patch_texts:
         for path, lines in added_lines(text).items():
             ours.setdefault(path, set()).update(lines)
-    problems: list[str] = []
+    problems: dict[str, list[str]] = {name: [] for name in names}
     jobs: list[tuple[str, str, list[str], set[str]]] = []  # path, formatter, command, our lines
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "black.toml"
@@ -168,15 +185,15 @@ def lint(
             tools = [("black", [*black, "--config", str(config), *ranges, path])]
             if path.startswith("megatron/core/"):
                 tools.append(("isort", [*isort, path]))
-            jobs += [(path, name, cmd, lines) for name, cmd in tools if only in (None, name)]
+            jobs += [(path, name, cmd, lines) for name, cmd in tools if name in names]
         # read-only runs on one tree: one process per core at a time, results in order
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             procs = pool.map(lambda job: _run(job[2], tree), jobs)
             for (path, name, _, lines), proc in zip(jobs, procs, strict=True):
                 if proc.returncode not in (0, 1):
-                    problems.append(f"{path}: {name} failed: {proc.stderr.strip()}")
+                    problems[name].append(f"{path}: {name} failed: {proc.stderr.strip()}")
                 for line in _offending(proc.stdout, lines):
-                    problems.append(f"{path}: {name} would rewrite: {line.strip()}")
+                    problems[name].append(f"{path}: {name} would rewrite: {line.strip()}")
     return problems
 
 
@@ -397,18 +414,17 @@ def check_commit(
         results.append(Result("pylint", "skipped", why_skipped))
     else:
         results.append(_pylint(tree, parent, commit, files, up, tools_bin))
-    found = {name: (tools_bin / name) if tools_bin else _exe(name) for name in ("black", "isort")}
-    have = [name for name, exe in found.items() if exe is not None and Path(exe).exists()]
-    every: list[str] = []
+    exes = {name: (tools_bin / name) if tools_bin else _exe(name) for name in FORMATTERS}
+    have = [name for name, exe in exes.items() if exe is not None and Path(exe).exists()]
+    found: dict[str, list[str]] = {}
     if have:  # both formatters in one go (they run side by side)
         numbers = added_line_numbers(git.out(tree, "diff", "-U0", parent, commit))
-        only = have[0] if len(have) == 1 else None
-        every = lint(tree, [patch_text], tools_bin, only=only, line_numbers=numbers)
-    for name in ("black", "isort"):
+        found = problems_by_formatter(tree, [patch_text], tools_bin, tuple(have), numbers)
+    for name in FORMATTERS:
         if name not in have:
             results.append(Result(name, "skipped", f"{name} is not on PATH"))
             continue
-        problems = [p for p in every if p.split(": ", 2)[1].startswith(f"{name} ")]
+        problems = found[name]
         results.append(
             Result(name, "FAIL", f"{len(problems)} line(s)", tuple(problems))
             if problems
@@ -421,7 +437,7 @@ def versions_line(python: str | None, up: Upstream | None) -> str:
     """Which tool versions ran, and which upstream pins, for the report."""
     if python is None:
         found = {}
-        for name in ("black", "isort"):
+        for name in FORMATTERS:
             exe = _exe(name)
             if exe:
                 proc = subprocess.run([exe, "--version"], capture_output=True, text=True)
