@@ -89,6 +89,17 @@ def _main_grads(optimizer):
     return optimizer.fp32_from_float16_groups[0][0].grad.tolist()
 
 
+def _assert_each_prepared_once(chained, calls, expected):
+    """An expert-only overflow step, then a clean one: each child's prepare_grads (as hooked,
+    recorded in `calls`) ran once per step, and both scalers backed off once, together."""
+    dense, expert = chained.chained_optimizers
+    assert _step(chained, [False, True]) is False
+    assert calls == expected, calls
+    assert _state(dense.grad_scaler) == _state(expert.grad_scaler) == (4.0, 0, 0)
+    _assert_exact_next_step(chained)
+    assert calls == expected * 2, calls
+
+
 def _assert_exact_next_step(chained):
     """A clean step's prepare_grads(): every chained optimizer unscales the loss scale exactly."""
     _set_grads(chained, [False] * len(_leaves(chained)))
@@ -179,11 +190,7 @@ def case_subclass_override_runs_once():
 
     dense, expert = _optimizer(_scaler(), Overriding), _optimizer(_scaler(), Overriding)
     chained = ChainedOptimizer([dense, expert])
-    assert _step(chained, [False, True]) is False
-    assert calls == [dense, expert], calls
-    assert _state(dense.grad_scaler) == _state(expert.grad_scaler) == (4.0, 0, 0)
-    _assert_exact_next_step(chained)
-    assert len(calls) == 4
+    _assert_each_prepared_once(chained, calls, [dense, expert])
 
 
 def case_instance_hook_runs_once():
@@ -198,11 +205,7 @@ def case_instance_hook_runs_once():
 
         optimizer.prepare_grads = hook
     chained = ChainedOptimizer([dense, expert])
-    assert _step(chained, [False, True]) is False
-    assert calls == ["dense", "expert"], calls
-    assert _state(dense.grad_scaler) == _state(expert.grad_scaler) == (4.0, 0, 0)
-    _assert_exact_next_step(chained)
-    assert calls == ["dense", "expert"] * 2
+    _assert_each_prepared_once(chained, calls, ["dense", "expert"])
 
 
 def case_class_level_replacement_runs_once():
@@ -210,11 +213,7 @@ def case_class_level_replacement_runs_once():
     with replaced_prepare_grads(MixedPrecisionOptimizer) as calls:
         dense, expert = _optimizer(_scaler()), _optimizer(_scaler())
         chained = ChainedOptimizer([dense, expert])
-        assert _step(chained, [False, True]) is False
-        assert calls == [dense, expert], calls
-        assert _state(dense.grad_scaler) == _state(expert.grad_scaler) == (4.0, 0, 0)
-        _assert_exact_next_step(chained)
-        assert len(calls) == 4
+        _assert_each_prepared_once(chained, calls, [dense, expert])
 
 
 def case_copy_pasted_override_updating_own_scaler():
