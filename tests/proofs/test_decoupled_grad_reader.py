@@ -17,9 +17,13 @@ te_standin.py, its documented contract), the Megatron-FSDP v1 chunk of _support,
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from _support import (
     FsdpV1Chunk,
     MultiTensorContract,
@@ -179,6 +183,70 @@ def _mfsdp_v2_readers_follow_fused_adam() -> None:
     assert optimizer.count_zeros() == 3
 
 
+@contextmanager
+def _recorded_all_reduces() -> Iterator[list]:
+    """``torch.distributed.all_reduce`` calls recorded, not run: a rank issuing more of them
+    than another would hang the real ones; the counts are compared afterwards."""
+    calls: list = []
+    original = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: calls.append(kwargs.get("group"))
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = original
+
+
+def _count_zeros_one_reduction_whatever_each_rank_owns() -> None:
+    """Collective contract: count_zeros of a chain (ChainedOptimizer, LayerWise) makes one
+    reduction on every rank, whatever its optimizers own there, each read where it reads.
+
+    Two pipeline stages, one grad-stats group: the first chained optimizer (torch Adam, reads
+    param.grad) owns parameters on stage 0 only, a stub on stage 1 (as MCore builds for a
+    module a stage does not hold); the second wraps an optimizer that says
+    `use_decoupled_grad` (as FusedAdam does). Counting once per attribute among the owning
+    optimizers made [2, 1] reductions; reading one attribute for the chain missed zeros.
+    """
+    config = OptimizerConfig(optimizer="adam", lr=1e-2)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    grad_params, _ = _params_with_grads("grad")  # one zero each
+    reads_grad = FP32Optimizer(
+        torch.optim.Adam(grad_params, lr=1e-2) if stage == 0 else None, config, None
+    )
+    decoupled_params, _ = _params_with_grads("decoupled_grad")
+    adam = torch.optim.Adam(decoupled_params, lr=1e-2)
+    adam.use_decoupled_grad = True
+    reads_decoupled = FP32Optimizer(adam, config, None)
+    children = [reads_grad, reads_decoupled]
+    world_size = dist.get_world_size()
+    expected = len(grad_params) + world_size * len(decoupled_params)
+    chains = {"ChainedOptimizer": ChainedOptimizer(children)}
+    try:
+        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    except ImportError:
+        pass  # no layer-wise optimizer before 0.16
+    else:
+        # Its real count_zeros, on what it reads of itself (building one needs a model).
+        fields = dict(chained_optimizers=children, config=config, tp_group=None)
+        layer_wise = SimpleNamespace(**fields, expert_tp_group=None)
+        chains["LayerWiseDistributedOptimizer"] = SimpleNamespace(
+            count_zeros=lambda: LayerWiseDistributedOptimizer.count_zeros(layer_wise)
+        )
+    for name, chain in chains.items():
+        with _recorded_all_reduces() as calls:
+            chain.count_zeros()
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, len(calls))
+        assert per_rank == [1] * world_size, f"{name}: all_reduce calls per rank {per_rank}"
+        num_zeros = float(chain.count_zeros())
+        assert num_zeros == expected, f"{name}: {num_zeros} zeros, expected {expected}"
+
+
+def _init_two_stages() -> None:
+    """``init`` for a world of 2: two pipeline stages, one model-parallel (grad-stats) group."""
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    torch.manual_seed(1234)
+
+
 _CASES = {
     "readers_follow_the_optimizer": _readers_follow_the_optimizer,
     "duck_typed_children": _duck_typed_children,
@@ -198,3 +266,22 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case", list(_CASES))
 def test_reader(results, case):
     check(results, case)
+
+
+_TWO_RANK_CASES = {
+    "count_zeros_one_reduction_whatever_each_rank_owns": (
+        _count_zeros_one_reduction_whatever_each_rank_owns
+    )
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    return run_world(
+        _TWO_RANK_CASES, world_size=2, out=tmp_path_factory.mktemp("reader2"), init=_init_two_stages
+    )
+
+
+@pytest.mark.parametrize("case", list(_TWO_RANK_CASES))
+def test_reader_two_ranks(two_rank_results, case):
+    check(two_rank_results, case)

@@ -5,8 +5,9 @@ With a precision-aware optimizer (TE's FusedAdam) under Megatron-FSDP v1, FusedA
 otherwise (`DistributedDataParallelConfig.megatron_fsdp_use_decoupled_grad`, default False,
 from 0.18; before that a buffer attribute nobody sets). Left at default, FusedAdam skips every
 parameter (weights frozen), the grad norm is 0 and clipping sees no gradient. After the fix the
-optimizer decides and the buffer follows; a True the optimizer cannot honour is a ValueError
-at setup; an optimizer owning no parameter (a frozen chunk) constrains nothing.
+optimizer decides and each chunk's buffer follows, the caller's DDP config is read and never
+written (chunks may share one); a True the optimizer cannot honour is a ValueError at setup; an
+optimizer owning no parameter (a frozen chunk) constrains nothing.
 
 Real MCore: OptimizerConfig, DistributedDataParallelConfig, get_megatron_optimizer (standard
 and emerging paths), DistributedOptimizer, clip_grads, in a forked gloo world of 1. Stand-ins,
@@ -69,7 +70,24 @@ def _default_follows_the_optimizer() -> None:
             f"{'decoupled_grad' if installs else 'grad'}"
         )
         if has_fsdp_ddp_flag():
-            assert getattr(chunk.ddp_config, FSDP_DDP_FLAG) == reads, "config misreports"
+            assert getattr(chunk.ddp_config, FSDP_DDP_FLAG) is False, "the caller's config written"
+
+
+def _chunks_sharing_a_ddp_config() -> None:
+    """Two chunks wrapped with one DDP config, built with different optimizers: each buffer
+    follows its own optimizer and the shared config is never written (a precision-aware
+    optimizer for the first used to flip it, and torch Adam for the second then raised)."""
+    ddp_config = fsdp_ddp_config()
+    chunks = [FsdpV1Chunk(ddp_config), FsdpV1Chunk(ddp_config)]
+    reads = []
+    for chunk, precision_aware in zip(chunks, (True, False), strict=True):
+        optimizer = _build(_config(precision_aware), [chunk])
+        reads.append(bool(optimizer.optimizer.use_decoupled_grad))
+    installs = [chunk.param_and_grad_buffer.installs_decoupled_grad() for chunk in chunks]
+    assert reads == [True, False], f"FusedAdam reads decoupled_grad per chunk: {reads}"
+    assert installs == reads, f"Megatron-FSDP installs decoupled_grad {installs}, read {reads}"
+    if has_fsdp_ddp_flag():
+        assert getattr(ddp_config, FSDP_DDP_FLAG) is False, "the shared config was written"
 
 
 def _contradiction_raises_at_setup() -> None:
@@ -145,6 +163,7 @@ def _step_reads_where_fsdp_writes() -> None:
 
 _CASES = {
     "default_follows_the_optimizer": _default_follows_the_optimizer,
+    "chunks_sharing_a_ddp_config": _chunks_sharing_a_ddp_config,
     "contradiction_raises_at_setup": _contradiction_raises_at_setup,
     "frozen_chunk_with_flag_true": _frozen_chunk_with_flag_true,
     "emerging_path_contradiction_raises": _emerging_path_contradiction_raises,
