@@ -256,32 +256,33 @@ _CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_world(
-        _CASES, world_size=1, out=tmp_path_factory.mktemp("reader"), init=init_model_parallel
-    )
-
-
-@pytest.mark.parametrize("case", list(_CASES))
-def test_reader(results, case):
-    check(results, case)
-
-
 _TWO_RANK_CASES = {
     "count_zeros_one_reduction_whatever_each_rank_owns": (
         _count_zeros_one_reduction_whatever_each_rank_owns
     )
 }
 
+# world size -> (its cases, the init of each rank)
+_WORLDS = {1: (_CASES, init_model_parallel), 2: (_TWO_RANK_CASES, _init_two_stages)}
+
 
 @pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory):
-    return run_world(
-        _TWO_RANK_CASES, world_size=2, out=tmp_path_factory.mktemp("reader2"), init=_init_two_stages
-    )
+def results(tmp_path_factory):
+    """world size -> per rank, case -> outcome; each world forked once, when first asked for."""
+    worlds: dict[int, list[dict[str, str]]] = {}
+
+    def of_world(world_size: int) -> list[dict[str, str]]:
+        if world_size not in worlds:
+            cases, init = _WORLDS[world_size]
+            out = tmp_path_factory.mktemp(f"reader{world_size}")
+            worlds[world_size] = run_world(cases, world_size=world_size, out=out, init=init)
+        return worlds[world_size]
+
+    return of_world
 
 
-@pytest.mark.parametrize("case", list(_TWO_RANK_CASES))
-def test_reader_two_ranks(two_rank_results, case):
-    check(two_rank_results, case)
+@pytest.mark.parametrize(
+    ("world_size", "case"), [(size, case) for size, (cases, _) in _WORLDS.items() for case in cases]
+)
+def test_reader(results, world_size, case):
+    check(results(world_size), case)
