@@ -19,6 +19,7 @@ param.grad like Muon). The GPU tier (docs/gpu/) runs the real Megatron-FSDP v1.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import megatron.core.optimizer as mcore_optimizer
@@ -26,6 +27,7 @@ import pytest
 import torch
 from _support import (
     FSDP_DDP_FLAG,
+    CaptureLogs,
     FsdpV1Chunk,
     MultiTensorContract,
     check,
@@ -61,7 +63,8 @@ def _build(config: OptimizerConfig, chunks: list):
 def _default_follows_the_optimizer() -> None:
     for precision_aware in (True, False):
         chunk = FsdpV1Chunk(fsdp_ddp_config())
-        optimizer = _build(_config(precision_aware), [chunk])
+        with CaptureLogs("megatron.core.optimizer", logging.INFO) as logs:
+            optimizer = _build(_config(precision_aware), [chunk])
         reads = bool(optimizer.optimizer.use_decoupled_grad)
         installs = chunk.param_and_grad_buffer.installs_decoupled_grad()
         assert installs == reads, (
@@ -71,6 +74,9 @@ def _default_follows_the_optimizer() -> None:
         )
         if has_fsdp_ddp_flag():
             assert getattr(chunk.ddp_config, FSDP_DDP_FLAG) is False, "the caller's config written"
+            # The buffer differs from the config only for the precision-aware optimizer: said once.
+            said = logs.messages("param.decoupled_grad, where")
+            assert len(said) == int(precision_aware), f"logged {said}"
 
 
 def _chunks_sharing_a_ddp_config() -> None:
