@@ -18,9 +18,10 @@
 #   2  bf16, distributed optimizer, fp32 params (mark_keep_in_fp32) in 16-bit groups, torch_dist
 #      checkpoints dp_reshardable and fully_reshardable, save at S2_SAVE, resume.
 #      A: MoE with fp32 routers (--moe-router-dtype fp64: the router gemm casts both operands),
-#      C: control without fp32 params. (No equal-size variant: with the TE implementation a
-#      norm weight cannot be fp32 - TE requires one dtype for LayerNormLinear's params - and the
-#      routers' neighbours differ in size, so pristine cannot write a mixed-group checkpoint.)
+#      B: dense, an fp32 final LayerNorm (computing in fp32, returning bf16) among norm params
+#      of equal size (--disable-bias-linear): pristine can save it (with other params' state),
+#      and its checkpoint is resumed on the fork too (the old-checkpoint path),
+#      C: control without fp32 params
 #   3  bf16 Megatron-FSDP v1 + --use-precision-aware-optimizer (TE FusedAdam), the DDP
 #      decoupled-grad flag left at its default, vs the same model under DDP
 set -uo pipefail
@@ -86,6 +87,7 @@ launch() {
 
 fp32router="E2E_FP32_PARAMS=router\.weight$" # MoE routers kept in fp32 (fp64 router math)
 router=("${moe[@]}" --moe-router-dtype fp64)
+fp32ln="E2E_FP32_PARAMS=final_layernorm\.(weight|bias)$ E2E_FP32_CAST=1"
 dist=(--bf16 --use-distributed-optimizer --ckpt-format torch_dist)
 full=--dist-ckpt-optim-fully-reshardable
 save_args() { echo --save "$work/ckpt/$1" --save-interval "$S2_SAVE"; }
@@ -102,6 +104,9 @@ for tree in pristine fork; do
         # shellcheck disable=SC2046
         launch "s2a-$fmt-$tree" $tree "$fp32router" "${router[@]}" "${dist[@]}" "${extra[@]}" \
             $(save_args "a-$fmt-$tree")
+        # shellcheck disable=SC2046
+        launch "s2b-$fmt-$tree" $tree "$fp32ln" --disable-bias-linear "${dist[@]}" "${extra[@]}" \
+            $(save_args "b-$fmt-$tree")
     done
     # shellcheck disable=SC2046
     launch "s2c-dp-$tree" $tree "" "${dist[@]}" $(save_args "c-dp-$tree")
@@ -121,6 +126,18 @@ for tree in pristine fork; do
         # shellcheck disable=SC2046
         launch "s2a-$fmt-$tree-resumed" $tree "$fp32router" "${router[@]}" "${dist[@]}" \
             "${extra[@]}" $(resume_args "a-$fmt-$tree")
+    done
+    for fmt in dp full; do
+        extra=()
+        [ $fmt = full ] && extra=($full)
+        [ "$(cat "$work/runs/s2b-$fmt-$tree.rc")" = 0 ] || continue
+        # shellcheck disable=SC2046
+        launch "s2b-$fmt-$tree-resumed" $tree "$fp32ln" --disable-bias-linear "${dist[@]}" \
+            "${extra[@]}" $(resume_args "b-$fmt-$tree")
+        # the checkpoint pristine wrote, resumed on the fork (a checkpoint of earlier versions)
+        # shellcheck disable=SC2046
+        [ $tree = pristine ] && launch "s2b-$fmt-fork-from-pristine" fork "$fp32ln" \
+            --disable-bias-linear "${dist[@]}" "${extra[@]}" $(resume_args "b-$fmt-pristine")
     done
     # shellcheck disable=SC2046
     launch "s2c-dp-$tree-resumed" $tree "" "${dist[@]}" $(resume_args "c-dp-$tree")

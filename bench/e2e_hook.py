@@ -14,7 +14,9 @@ megatron/training entry points and the optimizer instance that pretrain() builds
 - E2E_FP32_PARAMS=REGEX: in a pre-wrap hook (upstream's `pre_wrap_hooks` of the model config:
   after the model is built, before Float16Module casts it and DDP wraps it) the params whose
   names match are cast to fp32 and marked keep_in_fp32 (mark_keep_in_fp32), as a model with an
-  fp32 norm or router does; they land in the 16-bit optimizer groups.
+  fp32 norm or router does; they land in the 16-bit optimizer groups. With E2E_FP32_CAST=1 the
+  modules owning them compute in fp32 and return their input's dtype (forward hooks), as an
+  fp32 norm in a 16-bit model must.
 - E2E_EXPERT_PGS=1: in the same hook, mark the expert params (".experts." in the name)
   allreduce=False, as Megatron does at expert-parallel size > 1 (at EP 1 = ETP = TP it treats
   experts as dense params: one optimizer, no chain); the expert data-parallel group they then
@@ -76,22 +78,46 @@ def _inject_expert_overflow(model: list[Any]) -> str:
     raise RuntimeError("E2E_INJECT_STEP: no expert parameter with a main_grad")
 
 
+def _compute_in_fp32(module: Any) -> None:
+    """Make a module with fp32 params take fp32 input and return its input's dtype."""
+    import torch
+
+    def before(mod: Any, args: tuple, kwargs: dict) -> tuple:
+        mod._e2e_dtype = args[0].dtype
+        return (args[0].float(), *args[1:]), kwargs
+
+    def after(mod: Any, args: tuple, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return output.to(mod._e2e_dtype)
+        return output
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after)
+
+
 def _pre_wrap_hook(chunks: list[Any]) -> list[Any]:
     """Upstream's pre-wrap hook point: runs on the built chunks before Float16Module and DDP."""
     from megatron.core.transformer.module import mark_keep_in_fp32
 
     pattern = os.environ.get("E2E_FP32_PARAMS")
     expert_pgs = os.environ.get("E2E_EXPERT_PGS") == "1"
+    cast = os.environ.get("E2E_FP32_CAST") == "1"
     marked, experts = [], []
     for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            if pattern and re.search(pattern, name):
-                param.data = param.data.float()
-                mark_keep_in_fp32(param)
-                marked.append(name)
-            if expert_pgs and ".experts." in name:
-                param.allreduce = False
-                experts.append(name)
+        for module_name, module in chunk.named_modules():
+            owned = False
+            for name, param in module.named_parameters(recurse=False):
+                full = f"{module_name}.{name}" if module_name else name
+                if pattern and re.search(pattern, full):
+                    param.data = param.data.float()
+                    mark_keep_in_fp32(param)
+                    marked.append(full)
+                    owned = True
+                if expert_pgs and ".experts." in full:
+                    param.allreduce = False
+                    experts.append(full)
+            if owned and cast:
+                _compute_in_fp32(module)
     _emit({"event": "pre_wrap", "fp32_params": marked, "expert_params": experts})
     return chunks
 

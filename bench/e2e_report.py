@@ -6,7 +6,9 @@ RUNS_DIR holds NAME.jsonl (bench/e2e_hook.py's step records), NAME.log and NAME.
 Prints the verdict table (markdown) and writes OUT/e2e-verdicts.md; with matplotlib, also
 OUT/e2e-scaler.png, OUT/e2e-resume.png and OUT/e2e-fsdp.png. It states what it measured;
 it asserts nothing. Verdicts: "bug shown" (pristine shows the bug the scenario targets), "ok"
-(the expected healthy behaviour), "WRONG" (a fork or control row that is not healthy).
+(the expected healthy behaviour), "WRONG" (a fork or control row that is not healthy), "NO
+RESULT" (the run could not measure it), "NOT CONVERTED" (a pristine-written checkpoint resumed
+on the fork with other params' state).
 """
 
 from __future__ import annotations
@@ -142,6 +144,30 @@ def scenario2(runs: Runs, save: int) -> list[list[str]]:
             exact = what.startswith("EXACT")
             verdict = "ok" if exact else ("bug shown" if tree == "pristine" else "WRONG")
             rows.append([f"2A MoE, fp32 routers, {label}", tree, verdict, what])
+    for fmt, label in (("dp", "dp_reshardable"), ("full", "fully_reshardable")):
+        scenario = f"2B fp32 final norm, equal sizes, {label}"
+        for tree in ("pristine", "fork"):
+            name = f"s2b-{fmt}-{tree}"
+            fail = runs.failure(name)
+            what = (
+                f"save FAILS ({fail})"
+                if fail
+                else resume_exactness(runs, name, f"{name}-resumed", save)
+            )
+            rows.append([scenario, tree, "ok" if what.startswith("EXACT") else "NO RESULT", what])
+        name = f"s2b-{fmt}-fork-from-pristine"
+        if runs.rc(name) is None:
+            continue
+        what = resume_exactness(runs, f"s2b-{fmt}-pristine", name, save)
+        warned = [
+            line.strip()
+            for line in runs.log(name).splitlines()
+            if line.startswith("WARNING:megatron.core.optimizer")
+        ]
+        if warned:
+            what += f"; {len(warned)} optimizer warning(s): {warned[0][:240]}"
+        verdict = {"EXACT": "ok", "DIFFERS": "NOT CONVERTED"}.get(what.split(":")[0], "NO RESULT")
+        rows.append([f"2B pristine-written {label} checkpoint", "resumed on fork", verdict, what])
     for tree in ("pristine", "fork"):
         name = f"s2c-dp-{tree}"
         fail = runs.failure(name)
@@ -233,7 +259,7 @@ def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
     fig.tight_layout()
     fig.savefig(out / "e2e-scaler.png", dpi=110)
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     panels = [
         ("2A dp_reshardable", "s2a-dp-fork", ["s2a-dp-fork-resumed", "s2a-dp-pristine"]),
         ("2A fully_reshardable", "s2a-full-fork", ["s2a-full-fork-resumed", "s2a-full-pristine"]),
@@ -241,6 +267,11 @@ def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
             "2C control",
             "s2c-dp-pristine",
             ["s2c-dp-pristine-resumed", "s2c-dp-fork-resumed"],
+        ),
+        (
+            "2B dp_reshardable, pristine-written",
+            "s2b-dp-pristine",
+            ["s2b-dp-pristine-resumed", "s2b-dp-fork-from-pristine"],
         ),
     ]
     for ax, (title, base, resumed) in zip(axes, panels, strict=True):
