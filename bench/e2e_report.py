@@ -130,17 +130,20 @@ def resume_exactness(runs: Runs, uninterrupted: str, resumed: str, save: int) ->
     )
 
 
+def saved_and_resumed(runs: Runs, name: str, save: int) -> str:
+    """Whether run NAME saved at step save, and how its resume NAME-resumed compares."""
+    fail = runs.failure(name)
+    if fail:
+        return f"save at step {save} FAILS ({fail})"
+    return resume_exactness(runs, name, f"{name}-resumed", save)
+
+
 def scenario2(runs: Runs, save: int) -> list[list[str]]:
     rows = []
     for fmt, label in (("dp", "dp_reshardable"), ("full", "fully_reshardable")):
         for tree in ("pristine", "fork"):
             name = f"s2a-{fmt}-{tree}"
-            fail = runs.failure(name)
-            what = (
-                f"save at step {save} FAILS ({fail})"
-                if fail
-                else resume_exactness(runs, name, f"{name}-resumed", save)
-            )
+            what = saved_and_resumed(runs, name, save)
             exact = what.startswith("EXACT")
             verdict = "ok" if exact else ("bug shown" if tree == "pristine" else "WRONG")
             rows.append([f"2A MoE, fp32 routers, {label}", tree, verdict, what])
@@ -148,12 +151,7 @@ def scenario2(runs: Runs, save: int) -> list[list[str]]:
         scenario = f"2B fp32 final norm, equal sizes, {label}"
         for tree in ("pristine", "fork"):
             name = f"s2b-{fmt}-{tree}"
-            fail = runs.failure(name)
-            what = (
-                f"save FAILS ({fail})"
-                if fail
-                else resume_exactness(runs, name, f"{name}-resumed", save)
-            )
+            what = saved_and_resumed(runs, name, save)
             rows.append([scenario, tree, "ok" if what.startswith("EXACT") else "NO RESULT", what])
         name = f"s2b-{fmt}-fork-from-pristine"
         if runs.rc(name) is None:
