@@ -12,7 +12,7 @@ from . import git, sources
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import conflict_detail, read_patch
+from .series import conflict_detail, fit, left_out_lines, read_patch
 
 _VERSION_FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.M)
 
@@ -128,7 +128,7 @@ def _branch_names(checkout: Path) -> set[str]:
 
 STATE_DIR = "mcore-fixes"  # inside the checkout's git dir: scratch index and journal
 JOURNAL = "apply.json"  # {"orig": HEAD before, "new": HEAD after}, while the checkout moves
-Todo = list[tuple[str, Path, str]]  # (patch id, patch file, its text)
+Todo = list[tuple[str, Path, str, tuple[str, ...]]]  # (patch id, file, text, git apply options)
 APPLY = ("apply", "--whitespace=nowarn")  # the user's apply.whitespace=error is for their diffs
 
 
@@ -208,12 +208,11 @@ def _apply(
             report.append((p.id, f"absent on {b.name}: {b.absent[p.id]}"))
             continue
         text = read_patch(path)
-        if p.id in contained or git.ok(
-            checkout, *APPLY, "--cached", "-R", "--check", str(path), env=env
-        ):
+        if p.id in contained or fit(checkout, path, "--cached", "-R", env=env) is not None:
             report.append((p.id, "already applied"))
             continue
-        proc = git.run(checkout, *APPLY, "--cached", str(path), check=False, env=env)
+        opts, left_out = fit(checkout, path, "--cached", env=env) or ((), {})
+        proc = git.run(checkout, *APPLY, "--cached", *opts, str(path), check=False, env=env)
         if proc.returncode != 0 and p.id in b.fixed_upstream:  # the rest of the series goes on
             report.append((p.id, f"fixed upstream ({b.fixed_upstream[p.id]}), skipped"))
             continue
@@ -222,15 +221,16 @@ def _apply(
                 f"patch {p.id} ({path.name}) {conflict_detail(proc.stderr)}; "
                 f"{checkout} was left unchanged"
             )
-        todo.append((p.id, path, text))
+        report += [(p.id, line) for line in left_out_lines(p.id, left_out)]
+        todo.append((p.id, path, text, opts))
     if not todo:
         return report
 
-    files = [str(path) for _, path, _ in todo]
-    touched = sorted({t for _, _, text in todo for t in git.touched_paths(text)})
+    touched = sorted({t for _, _, text, _ in todo for t in git.touched_paths(text)})
+    new = _commit_chain(checkout, orig, todo, state)  # objects only: the checkout is untouched
     dirty = git.out(checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched)
     if dirty:
-        if git.ok(checkout, *APPLY, "--index", "-R", "--check", *reversed(files)):
+        if _staged(checkout, new, touched):
             if not commit:
                 return _ordered(manifest, report, todo, "already applied (staged, not committed)")
             raise CheckFailed(
@@ -244,14 +244,13 @@ def _apply(
     if commit and not git.ok(checkout, "diff", "--cached", "--quiet"):
         raise CheckFailed(f"{checkout} has staged changes; commit or unstage them first")
 
-    if not commit:
+    if not commit:  # the series' tree into the index and work tree, in one step; HEAD stays
         with git.signals_held():
-            proc = git.run(checkout, *APPLY, "--index", *files, check=False)
+            proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
         if proc.returncode != 0:
-            raise CheckFailed(f"git apply failed, {checkout} left unchanged: {proc.stderr.strip()}")
+            raise CheckFailed(f"git failed, {checkout} left unchanged: {proc.stderr.strip()}")
         return _ordered(manifest, report, todo, "staged in the index and work tree (not committed)")
 
-    new = _commit_chain(checkout, orig, todo, state)
     (state / "journal.tmp").write_text(json.dumps({"orig": orig, "new": new}) + "\n")
     os.replace(state / "journal.tmp", state / JOURNAL)
     with git.signals_held():
@@ -271,6 +270,13 @@ def _apply(
     return _ordered(manifest, report, todo, "committed")
 
 
+def _staged(checkout: Path, new: str, touched: list[str]) -> bool:
+    """Whether the index and work tree already hold the series' files (`apply --no-commit`)."""
+    return git.ok(checkout, "diff", "--cached", "--quiet", new, "--", *touched) and git.ok(
+        checkout, "diff", "--quiet", "--", *touched
+    )
+
+
 def _contained_prefix(
     manifest: Manifest, checkout: Path, b: Baseline, orig: str, state: Path
 ) -> set[str]:
@@ -286,7 +292,11 @@ def _contained_prefix(
         git.run(checkout, "read-tree", orig, env=env)
         undone: set[str] = set()
         for patch_id, path in reversed(chain[:k]):
-            if git.ok(checkout, *APPLY, "--cached", "-R", str(path), env=env):
+            found = fit(checkout, path, "--cached", "-R", env=env)  # left-out tests stay out
+            opts = found[0] if found is not None else ()
+            if found is not None and git.ok(
+                checkout, *APPLY, "--cached", "-R", *opts, str(path), env=env
+            ):
                 undone.add(patch_id)
             elif patch_id not in b.fixed_upstream:
                 break
@@ -301,7 +311,7 @@ def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
     identity = {} if git.ok(checkout, "var", "GIT_COMMITTER_IDENT") else git.TOOL_IDENTITY
     index = {"GIT_INDEX_FILE": str(state / "index")}
     git.run(checkout, "read-tree", parent, env=index)
-    for _, path, text in todo:
+    for _, path, text, opts in todo:
         msg = state / "msg"
         info = git.run(
             checkout, "mailinfo", "-u", str(msg), os.devnull, env=index, input=text.encode()
@@ -309,7 +319,7 @@ def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
         fields = dict(line.split(": ", 1) for line in info.splitlines() if ": " in line)
         body = f"{fields.get('Subject', '')}\n\n{msg.read_text(encoding='utf-8')}"
         message = git.run(checkout, "stripspace", input=body.encode()).stdout
-        git.run(checkout, *APPLY, "--cached", str(path), env=index)
+        git.run(checkout, *APPLY, "--cached", *opts, str(path), env=index)
         tree = git.out(checkout, "write-tree", env=index)
         author = {
             "GIT_AUTHOR_NAME": fields.get("Author", ""),
@@ -331,6 +341,6 @@ def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
 def _ordered(
     manifest: Manifest, report: list[tuple[str, str]], todo: Todo, how: str
 ) -> list[tuple[str, str]]:
-    report = report + [(patch_id, how) for patch_id, _, _ in todo]
+    report = report + [(patch_id, how) for patch_id, *_ in todo]
     order = [p.id for p in manifest.patches]
-    return sorted(report, key=lambda r: order.index(r[0]))
+    return sorted(report, key=lambda r: (order.index(r[0]), r[1].startswith("left out")))
