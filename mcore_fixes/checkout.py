@@ -12,7 +12,7 @@ from . import git, sources
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import conflict_detail, fit, left_out_lines, read_patch
+from .series import conflict_detail, fit, left_out_lines, not_carried, read_patch
 
 _VERSION_FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.M)
 
@@ -221,6 +221,7 @@ def _apply(
                 f"patch {p.id} ({path.name}) {conflict_detail(proc.stderr)}; "
                 f"{checkout} was left unchanged"
             )
+        left_out = {**left_out, **not_carried(manifest, p, path, text)}
         report += [(p.id, line) for line in left_out_lines(p.id, left_out)]
         todo.append((p.id, path, text, opts))
     if not todo:

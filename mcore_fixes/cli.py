@@ -19,7 +19,15 @@ from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
 from .prove import Runs, attach_proofs, prove_baseline, pytest_command
-from .series import OK_STATES, SKIPPED, Cell, apply_series, read_patch, test_files
+from .series import (
+    OK_STATES,
+    SKIPPED,
+    Cell,
+    apply_series,
+    left_out_lines,
+    read_patch,
+    test_files,
+)
 from .vendor import INFO_NAME, export, vendor, vendored_baseline
 
 CLONE_ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +79,8 @@ def cmd_vendor(args: argparse.Namespace) -> int:
         )
     for entry in record["applied"]:
         print(f"  applied   {entry['id']} (fix {entry['fix']})")
+        for line in left_out_lines(entry["id"], entry.get("left_out", {})):
+            print(f"            {line}")
     for entry in record["not_applied"]:
         print(f"  {entry['state']:<9} {entry['id']} (fix {entry['fix']}): {entry['reason']}")
     return 0

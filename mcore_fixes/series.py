@@ -156,6 +156,17 @@ def fit(repo: Path, path: Path, *args: str, env: dict[str, str] | None = None) -
     return opts, left_out
 
 
+def not_carried(manifest: Manifest, p: Patch, path: Path, text: str) -> dict[str, str]:
+    """Test files the canonical patch carries that variant `path` (`text`) has no section for,
+    each with why: left out too, and said so, never silently."""
+    canonical = manifest.root / p.file
+    if path == canonical or not canonical.is_file():
+        return {}
+    why = f"{path.parent.name}/{path.name} carries no section for it"
+    ours = set(test_files(text))
+    return {t: why for t in test_files(read_patch(canonical)) if t not in ours}
+
+
 def left_out_lines(patch_id: str, excluded: dict[str, str]) -> list[str]:
     """One line per test section of `patch_id` that was left out, saying why."""
     return [f"left out {rel} of {patch_id}: {why}" for rel, why in excluded.items()]
@@ -225,6 +236,8 @@ def apply_series(
             opts, excluded = NO_TESTS_OPTS, dict.fromkeys(test_files(text), NO_TESTS_WHY)
         elif not no_tests and (found := fit(tree, path)) is not None:
             opts, excluded = found  # test sections this tag's test files cannot take
+        if not no_tests:
+            excluded = {**excluded, **not_carried(manifest, p, path, text)}
         if (
             git.ok(tree, "apply", "-R", "--check", *opts, str(path))
             if no_tests

@@ -13,7 +13,7 @@ from . import git
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import OK_STATES, Cell, apply_series, file_sha256
+from .series import OK_STATES, Cell, apply_series, file_sha256, read_patch, test_files
 
 INFO_NAME = "_mcore_fixes.json"  # written into megatron/core/, shipped with the install
 STATE_NAME = "vendor.json"  # in build/: baseline and file hashes of the vendored tree
@@ -65,6 +65,7 @@ def info_record(manifest: Manifest, b: Baseline, tree: Path, cells: list[Cell]) 
                 "fix": patches[c.patch].fix,
                 "file": c.file,
                 "sha256": file_sha256(manifest.root / c.file),
+                **({"left_out": c.excluded} if c.excluded else {}),
             }
             for c in cells
             if c.state == "applies"
@@ -272,12 +273,14 @@ def export(
                     f"a variant for {b.name} in patches/manifest.toml"
                 )
             continue
-        if cell.excluded:  # the tree lacks upstream's tests: the commit holds the code only
+        left_out = [t for t in cell.excluded if t in test_files(read_patch(target))]
+        if left_out:  # the commit holds the patch without these sections
             if cell.patch in owners:
                 raise CheckFailed(
-                    f"{cell.file} edits upstream test files ({', '.join(cell.excluded)}) that "
-                    f"{b.name} does not ship, so it cannot be exported from there; edit it on a "
-                    "git baseline (a Megatron-LM checkout)"
+                    f"{cell.file} has test sections that {b.name} cannot take "
+                    f"({'; '.join(f'{t}: {cell.excluded[t]}' for t in left_out)}), so it cannot "
+                    "be exported from there; edit it where they apply (a git baseline with "
+                    "those test files)"
                 )
             results.append((cell.file, "unchanged"))
             continue
