@@ -175,6 +175,26 @@ def cmd_regen(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_graft_tests(args: argparse.Namespace) -> int:
+    """Land the patches' test sections on a release tag's test files (see variants.py)."""
+    m = _manifest(args)
+    progress = Progress()
+    b, donor = m.baseline(args.baseline), m.baseline(args.tests_from or m.canonical)
+    tree, donor_tree = _pristine(args, b, progress), _pristine(args, donor, progress)
+    if not (b.is_git and donor.is_git):
+        raise UserError("graft-tests needs two git baselines (their trees carry upstream's tests)")
+    for p in m.patches:
+        if p.id in b.absent or (args.patch and p.id not in args.patch):
+            continue
+        progress.step(f"grafting the tests of {p.id} onto {b.name}")
+        rel, what = variants.graft_tests(m, b, p, tree, donor, donor_tree)
+        print(f"  patches/{rel}: {what}")
+        if what.startswith("tests landed") and p.id not in b.variants:
+            print(f'    new variant: add {p.id} = "{rel}" to [baselines."{b.name}".variants]')
+            return 0  # the later patches need the manifest to name it first
+    return 0
+
+
 def cmd_prove(args: argparse.Namespace) -> int:
     m = _manifest(args)
     progress = Progress()
@@ -344,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patch", action="append", help="limit to these patch ids (repeatable)")
     with_repo(p)
     p.set_defaults(func=cmd_regen)
+
+    p = sub.add_parser("graft-tests", help="land the series' tests on a release tag's tests/")
+    p.add_argument("--baseline", required=True, help="the git baseline whose variants to write")
+    p.add_argument("--from", dest="tests_from", help="donor git baseline (default: canonical)")
+    p.add_argument("--patch", action="append", help="limit to these patch ids (repeatable)")
+    with_repo(p)
+    p.set_defaults(func=cmd_graft_tests)
 
     p = sub.add_parser("prove", help="fail-before / pass-after of each patch's tests")
     p.add_argument("--baseline", action="append", help="limit to these baselines (repeatable)")

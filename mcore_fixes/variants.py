@@ -224,3 +224,50 @@ def regen_variant(manifest: Manifest, b: Baseline, p: Patch, tree: Path) -> tupl
         return rel, "unchanged"
     target.write_text(new, encoding="utf-8")
     return rel, "regenerated"
+
+
+def graft_tests(
+    manifest: Manifest, b: Baseline, p: Patch, tree: Path, donor: Baseline, donor_tree: Path
+) -> tuple[str, str]:
+    """Land `p`'s test sections, as `donor` carries them, in `b`'s variant of `p`.
+
+    For a git baseline whose test files differ from the ones the sections were written against
+    (a release tag): each test file's change on `donor`'s tree (the canonical baseline, or a
+    nearer tag) is merged three-way onto `b`'s tree (`git apply -3`, with the donor's blobs
+    fetched into `b`'s tree repository), after the variant's code. A test file that does not
+    merge cleanly stays left out (and `apply` says so). Returns (variant file, what happened);
+    a new variant file is named `b/<canonical file name>`.
+    """
+    rel = b.variants.get(p.id, f"{b.name}/{Path(p.file).name}")
+    cell = next(c for c in apply_series(tree, manifest, b) if c.patch == p.id)
+    if cell.state != "applies" or not cell.excluded:
+        return rel, f"unchanged ({cell.state}{', its tests land' if cell.commit else ''})"
+    dcell = next(c for c in apply_series(donor_tree, manifest, donor) if c.patch == p.id)
+    if dcell.state != "applies" or dcell.excluded:
+        return rel, f"not grafted: its tests do not land on {donor.name} either"
+    git.run(tree, "fetch", "-q", "--no-tags", str(donor_tree), dcell.commit)
+    git.run(tree, "checkout", "-q", "-f", "--detach", cell.commit)
+    landed, failed = [], []
+    for test in cell.excluded:
+        diff = git.run(
+            tree, "diff", "--full-index", "--binary", f"{dcell.commit}^", dcell.commit, "--", test
+        ).stdout
+        if not diff:
+            failed.append(f"{test} (not changed on {donor.name})")
+            continue
+        proc = git.run(tree, "apply", "-3", "-", check=False, input=diff.encode())
+        if proc.returncode != 0 or git.out(tree, "ls-files", "-u"):
+            git.run(tree, "reset", "-q", "--hard")
+            git.run(tree, "clean", "-q", "-fdx")
+            failed.append(f"{test} (does not merge onto {b.name}'s file)")
+            continue
+        git.run(tree, "commit", "-q", "--amend", "--no-edit", "--no-verify", env=git.TOOL_IDENTITY)
+        landed.append(test)
+    if not landed:
+        return rel, f"not grafted: {'; '.join(failed)}"
+    new = git.run(tree, "format-patch", "-1", "HEAD", *git.FORMAT_PATCH_ARGS).stdout
+    target = manifest.root / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(new, encoding="utf-8")
+    what = f"tests landed: {', '.join(landed)}"
+    return rel, what + (f"; left out: {'; '.join(failed)}" if failed else "")
