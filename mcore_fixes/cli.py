@@ -28,7 +28,7 @@ from .series import (
     read_patch,
     test_files,
 )
-from .vendor import INFO_NAME, export, vendor, vendored_baseline
+from .vendor import INFO_NAME, export, replace_all, series_hashes, vendor, vendored_baseline
 
 CLONE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,30 +149,51 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_regen(args: argparse.Namespace) -> int:
-    """Rewrite every context-only variant from its canonical patch (see variants.py)."""
+    """Rewrite every context-only variant from its canonical patch (see variants.py).
+
+    Every patch file involved must be present and parse first; the variant files are then
+    written together, or, if one fails, none of them.
+    """
     m = _manifest(args)
     progress = Progress()
+    for b in m.baselines.values():
+        series_hashes(m, b)
+    canon = m.baseline(m.canonical)
+    canonical_tree = _tree_or_skip(args, canon, progress)
     failed = 0
+    new: dict[Path, str] = {}
     for v in variants.variants(m):
         if v.reason or (args.patch and v.patch not in args.patch):
             continue  # a declared backport is written by hand
         trees = {n: _tree_or_skip(args, m.baseline(n), progress) for n in v.baselines}
         usable = [n for n, t in trees.items() if not isinstance(t, str)]
         lacking = [n for n in v.baselines if n not in usable and m.baseline(n).is_git]
+        if isinstance(canonical_tree, str):
+            lacking = [canon.name]
         if lacking or not usable:
             print(f"  skipped   patches/{v.file}: {', '.join(lacking)} uses it: {NO_CHECKOUT}")
             continue
         # A git baseline's tree has upstream's tests: the variant keeps its test sections.
         name = sorted(usable, key=lambda n: not m.baseline(n).is_git)[0]
         progress.step(f"regenerating patches/{v.file} on {name}")
+        b, tree = m.baseline(name), trees[name]
         try:
-            path, what = variants.regen_variant(m, m.baseline(name), m.patch(v.patch), trees[name])
+            path, what, text = variants.regen_variant(m, b, m.patch(v.patch), tree, canonical_tree)
         except CheckFailed as exc:
             print(f"  failed    {exc}")
             failed += 1
             continue
+        if text is not None:
+            new[m.root / path] = text
         print(f"  {what:<9} patches/{path}" if " " not in what else f"  patches/{path}: {what}")
-    return 1 if failed else 0
+    if failed:
+        if new:
+            print(f"  nothing written: {failed} variant(s) failed (the others stay as they were)")
+        return 1
+    for target in new:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    replace_all(new)
+    return 0
 
 
 def cmd_graft_tests(args: argparse.Namespace) -> int:
