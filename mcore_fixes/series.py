@@ -140,10 +140,13 @@ def fit(repo: Path, path: Path, *args: str, env: dict[str, str] | None = None) -
     as a whole (a release tag's test file differs from the one it was written against).
     """
     apply = ("apply", "--whitespace=nowarn", *args)
+    tests = test_files(path.read_text(encoding="utf-8"))  # the callers read_patch() it
+    code = (*apply, "--check", *NO_TESTS_OPTS, str(path))
+    if "-R" in args and tests and not git.ok(repo, *code, env=env):
+        return None  # the usual answer backwards (not applied yet): one git call
     if git.ok(repo, *apply, "--check", str(path), env=env):
         return (), {}
-    tests = test_files(read_patch(path))
-    if not tests or not git.ok(repo, *apply, "--check", *NO_TESTS_OPTS, str(path), env=env):
+    if not tests or ("-R" not in args and not git.ok(repo, *code, env=env)):
         return None
     left_out: dict[str, str] = {}
     for rel in tests:
