@@ -124,6 +124,9 @@ def conflict_detail(stderr: str) -> str:
     m = re.search(r"error: (\S+): (does not exist in index|No such file or directory)", stderr)
     if m:
         return f"target file missing: {m.group(1)}"
+    m = re.search(r"error: (\S+): already exists in (index|working directory)", stderr)
+    if m:
+        return f"it creates {m.group(1)}, which exists here"
     first = stderr.strip().splitlines()[:1]
     return first[0] if first else "does not apply"
 
