@@ -143,7 +143,11 @@ def fit(repo: Path, path: Path, *args: str, env: dict[str, str] | None = None) -
     as a whole (a release tag's test file differs from the one it was written against).
     """
     apply = ("apply", "--whitespace=nowarn", *args)
-    tests = test_files(path.read_text(encoding="utf-8"))  # the callers read_patch() it
+    try:  # cheaply: the callers check it with read_patch()
+        tests = test_files(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        read_patch(path)  # says what is wrong with it, in one line
+        raise
     code = (*apply, "--check", *NO_TESTS_OPTS, str(path))
     if "-R" in args and tests and not git.ok(repo, *code, env=env):
         return None  # the usual answer backwards (not applied yet): one git call

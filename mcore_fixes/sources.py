@@ -163,6 +163,7 @@ def safe_extract(archive: tarfile.TarFile, dest: Path, strip: int, keep: tuple[s
     """
     selected: list[tarfile.TarInfo] = []
     seen: dict[str, tarfile.TarInfo] = {}
+    kept: dict[str, str] = {}  # archive name -> extracted name
     for count, member in enumerate(archive, 1):  # lazily: a huge index is refused early
         if count > MAX_MEMBERS:
             raise UserError(f"archive has more than {MAX_MEMBERS} members: not an MCore sdist")
@@ -190,12 +191,12 @@ def safe_extract(archive: tarfile.TarFile, dest: Path, strip: int, keep: tuple[s
         rel = "/".join(parts)
         if not any(rel == k or rel.startswith(k + "/") for k in keep):
             continue
-        if member.islnk():  # extract the file it names, under this name (no link needed)
-            linked = seen[PurePosixPath(member.linkname).as_posix()]
-            link_rel = "/".join(PurePosixPath(linked.name).parts[strip:])
-            if not any(link_rel == k or link_rel.startswith(k + "/") for k in keep):
+        if member.islnk():  # to a member extracted too, by its extracted name
+            target = kept.get(PurePosixPath(member.linkname).as_posix())
+            if target is None:
                 raise UserError(f"archive entry {member.name!r}: hardlink out of the tree")
-            member.linkname = link_rel
+            member.linkname = target
+        kept[name] = rel
         member.name = rel
         selected.append(member)
     try:
