@@ -166,15 +166,26 @@ def fit(repo: Path, path: Path, *args: str, env: dict[str, str] | None = None) -
     return opts, left_out
 
 
+LEFT_OUT_TRAILER = "Left-out-test: "  # `Left-out-test: <path> (<why>)`, written by graft-tests
+
+
 def not_carried(manifest: Manifest, p: Patch, path: Path, text: str) -> dict[str, str]:
-    """Test files the canonical patch carries that variant `path` (`text`) has no section for,
-    each with why: left out too, and said so, never silently."""
+    """Tests the variant `path` (`text`) does not carry, each with why, so that they are said
+    left out, never dropped silently: every test file of the canonical patch where the variant
+    is code only, else those its message names in `Left-out-test:` trailers."""
     canonical = manifest.root / p.file
     if path == canonical or not canonical.is_file():
         return {}
-    why = f"{path.parent.name}/{path.name} carries no section for it"
-    ours = set(test_files(text))
-    return {t: why for t in test_files(read_patch(canonical)) if t not in ours}
+    header = text[: text.find("\ndiff --git ")]
+    named = dict(
+        line[len(LEFT_OUT_TRAILER) :].partition(" ")[::2]
+        for line in header.splitlines()
+        if line.startswith(LEFT_OUT_TRAILER)
+    )
+    if test_files(text) or named:
+        return {t: why.strip("()") for t, why in named.items()}
+    why = f"{path.parent.name}/{path.name} carries only code, no test section for this baseline"
+    return dict.fromkeys(test_files(read_patch(canonical)), why)
 
 
 def left_out_lines(patch_id: str, excluded: dict[str, str]) -> list[str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from . import git
 from .errors import CheckFailed
 from .manifest import Baseline, Manifest, Patch
-from .series import NO_TESTS_OPTS, apply_series, fit, has_upstream_tests
+from .series import LEFT_OUT_TRAILER, NO_TESTS_OPTS, apply_series, fit, has_upstream_tests
 
 CONTEXT_ONLY = "context-only"
 BACKPORT = "backport"
@@ -292,6 +292,13 @@ def graft_tests(
         landed.append(test)
     if not landed:
         return rel, f"not grafted: {'; '.join(failed)}"
+    if failed:  # named in the message, so that `apply` says they are left out
+        message = git.out(tree, "log", "-1", "--format=%B")
+        trailers = "".join(f"\n{LEFT_OUT_TRAILER}{f}" for f in failed)
+        git.run(
+            tree, "commit", "-q", "--amend", "--no-verify", "-m", message + trailers,
+            env=git.TOOL_IDENTITY,
+        )  # fmt: skip
     new = git.run(tree, "format-patch", "-1", "HEAD", *git.FORMAT_PATCH_ARGS).stdout
     target = manifest.root / rel
     target.parent.mkdir(parents=True, exist_ok=True)
