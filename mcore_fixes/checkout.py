@@ -208,7 +208,8 @@ def _apply(
             report.append((p.id, f"absent on {b.name}: {b.absent[p.id]}"))
             continue
         text = read_patch(path)
-        if p.id in contained or fit(checkout, path, "--cached", "-R", env=env) is not None:
+        whole = p.id in b.fixed_upstream  # applied only if all of it is there
+        if p.id in contained or fit(checkout, path, "--cached", "-R", env=env, whole=whole):
             report.append((p.id, "already applied"))
             continue
         opts, left_out = fit(checkout, path, "--cached", env=env) or ((), {})
@@ -287,13 +288,14 @@ def _contained_prefix(
     only as a whole, last patch first (each patch alone need not). Patches upstream fixed its
     own way (not in the tree) are stepped over.
     """
-    chain = [(p.id, path) for p in manifest.patches if (path := manifest.patch_file(b, p))]
+    chain = [(p, path) for p in manifest.patches if (path := manifest.patch_file(b, p))]
     env = {"GIT_INDEX_FILE": str(state / "index-prefix")}
     for k in range(len(chain), 0, -1):
         git.run(checkout, "read-tree", orig, env=env)
         undone: set[str] = set()
-        for patch_id, path in reversed(chain[:k]):
-            found = fit(checkout, path, "--cached", "-R", env=env)  # left-out tests stay out
+        for p, path in reversed(chain[:k]):
+            patch_id, whole = p.id, p.id in b.fixed_upstream  # left-out tests stay out
+            found = fit(checkout, path, "--cached", "-R", env=env, whole=whole)
             opts = found[0] if found is not None else ()
             if found is not None and git.ok(
                 checkout, *APPLY, "--cached", "-R", *opts, str(path), env=env

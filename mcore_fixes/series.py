@@ -136,13 +136,19 @@ NO_TESTS_WHY = "this tree has no upstream tests/ (a PyPI sdist)"
 Fit = tuple[tuple[str, ...], dict[str, str]]  # (git apply options, left-out test path -> why)
 
 
-def fit(repo: Path, path: Path, *args: str, env: dict[str, str] | None = None) -> Fit | None:
+def fit(
+    repo: Path, path: Path, *args: str, env: dict[str, str] | None = None, whole: bool = False
+) -> Fit | None:
     """How patch `path` applies to `repo` (`git apply ARGS`, e.g. --cached, -R): the options that
     leave out its test sections that do not apply here, each with why; None when its code does
     not apply. Code sections are never left out; a test section only where it does not apply
     as a whole (a release tag's test file differs from the one it was written against).
+    `whole`: the patch as a whole or None (a patch upstream fixed its own way is "applied"
+    only if all of it reverse-applies).
     """
     apply = ("apply", "--whitespace=nowarn", *args)
+    if whole:
+        return ((), {}) if git.ok(repo, *apply, "--check", str(path), env=env) else None
     try:  # cheaply: the callers check it with read_patch()
         tests = test_files(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError):
@@ -262,7 +268,7 @@ def apply_series(
         if (
             git.ok(tree, "apply", "-R", "--check", *opts, str(path))
             if no_tests
-            else fit(tree, path, "-R") is not None
+            else fit(tree, path, "-R", whole=p.id in b.fixed_upstream) is not None
         ):
             cell.state, cell.detail = UPSTREAM, "reverse-applies: already in this baseline"
             good.add(p.id)
