@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from toolworld import commit_all, git, package_info, write
+from toolworld import FORMAT_PATCH, commit_all, git, package_info, write
 
 TAG = '\n[baselines."core_v0.1.5"]\nsource = "git"\nref = "core_v0.1.5"\ncommit = "{commit}"\n'
 TAG += 'version = "0.1.5"\n'
@@ -81,3 +81,48 @@ def test_left_out_test_section_is_said_once_per_section(world, project, tool, tm
     # again: nothing to do (the left-out section stays out)
     again = tool(project, "apply", co)
     assert again.rc == 0 and "nothing to do" in again.out, again.out + again.err
+
+
+def test_graft_tests_lands_a_test_section_three_way(world, tool, tmp_path):
+    """An old tag whose test file differs near (not at) the lines a test section adds: the
+    variant's code is kept, the donor's test change merged three-way onto that file."""
+    up = tmp_path / "up.git"
+    git(world.base, "clone", "-q", "--bare", str(world.upstream), str(up))
+    work = tmp_path / "upwork"
+    git(world.base, "clone", "-q", str(up), str(work))
+    git(work, "checkout", "-q", "-b", "old", "core_v0.1.0")
+    write(work, "tests/unit_tests/test_basic.py", "def test_basic():  # old\n    pass\n")
+    old = commit_all(work, "An older test file")
+    git(work, "push", "-q", "origin", "old")
+    git(work, "checkout", "-q", "-b", "patch", "core_v0.1.0")
+    write(work, "megatron/core/constants.py", "ANSWER = 42\n")
+    basic = work / "tests/unit_tests/test_basic.py"
+    basic.write_text(basic.read_text() + "\n\ndef test_answer():\n    pass\n")
+    commit_all(work, "Add the answer\n\nWith its test.\n")
+    canonical = git(work, *FORMAT_PATCH)
+    project = tmp_path / "proj"
+    (project / "patches/old").mkdir(parents=True)
+    (project / "patches/0001-answer.patch").write_text(canonical)
+    code_only = canonical[: canonical.index("diff --git a/tests/")]
+    code_only = code_only.replace(" 2 files changed", " 1 file changed")
+    (project / "patches/old/0001-answer.patch").write_text(code_only)
+    (project / "patches/manifest.toml").write_text(
+        'canonical = "c0"\ndefault = "c0"\n\n[[patch]]\nid = "answer"\n'
+        'file = "0001-answer.patch"\nfix = 1\n\n'
+        f'[baselines.c0]\nsource = "git"\nref = "core_v0.1.0"\nversion = "0.1.0"\n'
+        f'commit = "{world.commits["core_v0.1.0"]}"\n\n'
+        f'[baselines.old]\nsource = "git"\nref = "old"\nversion = "0.0.9"\ncommit = "{old}"\n'
+        '[baselines.old.variants]\nanswer = "old/0001-answer.patch"\n'
+    )
+    r = tool(project, "status", "--json", "--baseline", "old", "--mcore-repo", up)
+    assert r.rc == 0, r.err
+    assert "carries only code" in r.out
+    r = tool(project, "graft-tests", "--baseline", "old", "--mcore-repo", up)
+    assert r.rc == 0, r.err
+    assert "patches/old/0001-answer.patch: tests landed: tests/unit_tests/test_basic.py" in r.out
+    assert tool(project, "vendor", "--baseline", "old", "--mcore-repo", up).rc == 0
+    assert (project / "tests/unit_tests/test_basic.py").read_text() == (
+        "def test_basic():  # old\n    pass\n\n\ndef test_answer():\n    pass\n"
+    )
+    r = tool(project, "status", "--json", "--baseline", "old", "--mcore-repo", up)
+    assert "excluded" not in r.out, r.out
