@@ -14,6 +14,7 @@ from .manifest import Baseline, Manifest
 from .progress import Progress
 from .series import conflict_detail, fit, left_out_lines, not_carried, read_patch
 
+_RELEASE_BRANCH = re.compile(r"core_r(\d+\.\d+)\.0")  # upstream's release branches
 _VERSION_FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.M)
 
 
@@ -47,8 +48,10 @@ def detect_baseline(manifest: Manifest, checkout: Path) -> tuple[Baseline, str]:
     baseline's ref and HEAD descends from its pin; HEAD descends from pinned commits (the
     nearest wins); the version in megatron/core/package_info.py, where a git baseline (it
     carries upstream's tests) wins over a PyPI one, and a git baseline whose pin is in the
-    checkout but on another line of history never matches; last, HEAD is an older commit of a
-    pinned line. So main at any commit never takes the 0.19 variants for saying 0.19.1.
+    checkout but on another line of history never matches; then HEAD is an older commit of a
+    pinned line; last, HEAD's branch (or its upstream) is the release branch `core_rX.Y.0` of
+    a pinned tag `core_vX.Y.*` (a shallow clone, whose history cannot tell). So main at any
+    commit never takes the 0.19 variants for saying 0.19.1.
     """
     head = git.out(checkout, "rev-parse", "HEAD")
     pinned = [b for b in manifest.baselines.values() if b.is_git]
@@ -86,6 +89,12 @@ def detect_baseline(manifest: Manifest, checkout: Path) -> tuple[Baseline, str]:
     if before:
         n, b = min(before, key=lambda t: t[0])
         return b, f"HEAD is {n} commit(s) before the pinned commit of {b.name}"
+    for name in sorted(branches):  # e.g. a shallow clone of a release branch: history cannot tell
+        m = _RELEASE_BRANCH.fullmatch(name)
+        tags = [b for b in pinned if m and b.ref.startswith(f"core_v{m.group(1)}.")]
+        if tags:
+            b = max(tags, key=lambda b: tuple(int(x) for x in re.findall(r"\d+", b.ref)))
+            return b, f"branch {name} is the release branch of {b.ref}"
     known = ", ".join(f"{b.name} ({b.version})" for b in manifest.baselines.values())
     raise UserError(
         f"{checkout} (megatron-core {version}, HEAD {head[:10]}) matches no baseline of the "
@@ -100,8 +109,8 @@ def check_override(manifest: Manifest, checkout: Path, chosen: Baseline) -> None
         found, why = detect_baseline(manifest, checkout)
     except UserError:  # nothing to contradict
         return
-    if found.name == chosen.name or "package_info.py" in why:
-        return
+    if found.name == chosen.name or "package_info.py" in why or "release branch" in why:
+        return  # the same, or found by weak evidence only (a version, a branch name)
     files = {p.id: manifest.patch_file(found, p) for p in manifest.patches}
     if all(manifest.patch_file(chosen, p) == files[p.id] for p in manifest.patches):
         return  # the same patch files either way (e.g. a PyPI release and its git tag)

@@ -126,3 +126,20 @@ def test_graft_tests_lands_a_test_section_three_way(world, tool, tmp_path):
     )
     r = tool(project, "status", "--json", "--baseline", "old", "--mcore-repo", up)
     assert "excluded" not in r.out, r.out
+
+
+def test_shallow_clone_of_a_release_branch_takes_its_tag(world, project, tool, tmp_path):
+    """No pinned commit in a shallow clone's history, a version no baseline has: the release
+    branch's name tells (core_r0.1.0 -> core_v0.1.5)."""
+    c = release_branch(world, project, tmp_path)
+    work = tmp_path / "upwork"
+    write(work, "megatron/core/package_info.py", package_info(0, 1, 6, "rc0"))
+    commit_all(work, "Bump to 0.1.6rc0")
+    git(work, "push", "-q", "origin", "core_r0.1.0")
+    co = tmp_path / "shallow"
+    git(
+        world.base, "clone", "-q", "--depth", "1", "-b", "core_r0.1.0", f"file://{c['up']}", str(co)
+    )
+    r = tool(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert "baseline core_v0.1.5 (branch core_r0.1.0 is the release branch of core_v0.1.5)" in r.out
