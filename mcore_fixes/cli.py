@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -200,19 +201,28 @@ def cmd_graft_tests(args: argparse.Namespace) -> int:
     """Land the patches' test sections on a release tag's test files (see variants.py)."""
     m = _manifest(args)
     progress = Progress()
-    b, donor = m.baseline(args.baseline), m.baseline(args.tests_from or m.canonical)
-    tree, donor_tree = _pristine(args, b, progress), _pristine(args, donor, progress)
-    if not (b.is_git and donor.is_git):
-        raise UserError("graft-tests needs two git baselines (their trees carry upstream's tests)")
+    b = m.baseline(args.baseline)
+    donors = [m.baseline(n) for n in (args.tests_from or [m.canonical])]
+    if not all(x.is_git for x in (b, *donors)):
+        raise UserError("graft-tests needs git baselines (their trees carry upstream's tests)")
+    tree = _pristine(args, b, progress)
+    trees = {d.name: _pristine(args, d, progress) for d in donors}
+    added: dict[str, str] = {}
     for p in m.patches:
         if p.id in b.absent or (args.patch and p.id not in args.patch):
             continue
-        progress.step(f"grafting the tests of {p.id} onto {b.name}")
-        rel, what = variants.graft_tests(m, b, p, tree, donor, donor_tree)
-        print(f"  patches/{rel}: {what}")
-        if what.startswith("tests landed") and p.id not in b.variants:
-            print(f'    new variant: add {p.id} = "{rel}" to [baselines."{b.name}".variants]')
-            return 0  # the later patches need the manifest to name it first
+        for donor in donors:  # the first donor whose test change merges wins, per test file
+            progress.step(f"grafting the tests of {p.id} onto {b.name} from {donor.name}")
+            rel, what = variants.graft_tests(m, b, p, tree, donor, trees[donor.name])
+            print(f"  patches/{rel} (from {donor.name}): {what}")
+            if what.startswith("tests landed") and p.id not in b.variants:
+                b = dataclasses.replace(b, variants={**b.variants, p.id: rel})
+                m.baselines[b.name] = b  # the later patches apply on top of it
+                added[p.id] = rel
+    if added:
+        print(f'new variants: add to [baselines."{b.name}".variants] in patches/manifest.toml:')
+        for patch_id, rel in added.items():
+            print(f'  {patch_id} = "{rel}"')
     return 0
 
 
@@ -388,7 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("graft-tests", help="land the series' tests on a release tag's tests/")
     p.add_argument("--baseline", required=True, help="the git baseline whose variants to write")
-    p.add_argument("--from", dest="tests_from", help="donor git baseline (default: canonical)")
+    p.add_argument(
+        "--from",
+        dest="tests_from",
+        action="append",
+        help="donor git baseline, repeatable, in order of preference (default: the canonical)",
+    )
     p.add_argument("--patch", action="append", help="limit to these patch ids (repeatable)")
     with_repo(p)
     p.set_defaults(func=cmd_graft_tests)

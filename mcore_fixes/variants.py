@@ -292,11 +292,13 @@ def graft_tests(
         landed.append(test)
     if not landed:
         return rel, f"not grafted: {'; '.join(failed)}"
-    if failed:  # named in the message, so that `apply` says they are left out
-        message = git.out(tree, "log", "-1", "--format=%B")
-        trailers = "".join(f"\n{LEFT_OUT_TRAILER}{f}" for f in failed)
+    # The test files still left out are named in the message, so that `apply` says so.
+    message = git.out(tree, "log", "-1", "--format=%B")
+    kept = "\n".join(ln for ln in message.splitlines() if not ln.startswith(LEFT_OUT_TRAILER))
+    trailers = "".join(f"\n{LEFT_OUT_TRAILER}{f}" for f in failed)
+    if kept + trailers != message:
         git.run(
-            tree, "commit", "-q", "--amend", "--no-verify", "-m", message + trailers,
+            tree, "commit", "-q", "--amend", "--no-verify", "-m", kept + trailers,
             env=git.TOOL_IDENTITY,
         )  # fmt: skip
     new = git.run(tree, "format-patch", "-1", "HEAD", *git.FORMAT_PATCH_ARGS).stdout

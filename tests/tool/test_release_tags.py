@@ -119,7 +119,8 @@ def test_graft_tests_lands_a_test_section_three_way(world, tool, tmp_path):
     assert "carries only code" in r.out
     r = tool(project, "graft-tests", "--baseline", "old", "--mcore-repo", up)
     assert r.rc == 0, r.err
-    assert "patches/old/0001-answer.patch: tests landed: tests/unit_tests/test_basic.py" in r.out
+    landed = "patches/old/0001-answer.patch (from c0): tests landed: tests/unit_tests/test_basic.py"
+    assert landed in r.out, r.out
     assert tool(project, "vendor", "--baseline", "old", "--mcore-repo", up).rc == 0
     assert (project / "tests/unit_tests/test_basic.py").read_text() == (
         "def test_basic():  # old\n    pass\n\n\ndef test_answer():\n    pass\n"
