@@ -29,7 +29,15 @@ from .series import (
     read_patch,
     test_files,
 )
-from .vendor import INFO_NAME, export, replace_all, series_hashes, vendor, vendored_baseline
+from .vendor import (
+    INFO_NAME,
+    export,
+    replace_all,
+    series_hashes,
+    vendor,
+    vendored_baseline,
+    verify_vendored,
+)
 
 CLONE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,6 +167,12 @@ def cmd_regen(args: argparse.Namespace) -> int:
     progress = Progress()
     for b in m.baselines.values():
         series_hashes(m, b)
+    if (args.root / "build" / "vendor.json").exists() and (args.root / "megatron").exists():
+        # its edits must stay exportable: refuse unless it is its recorded baseline + series
+        vendored = m.baseline(vendored_baseline(args.root))
+        tree = _pristine(args, vendored, progress)
+        apply_series(tree, m, vendored)
+        verify_vendored(args.root, m, vendored, tree)
     canon = m.baseline(m.canonical)
     canonical_tree = _tree_or_skip(args, canon, progress)
     failed = 0

@@ -220,6 +220,8 @@ def verify_vendored(root: Path, manifest: Manifest, b: Baseline, tree: Path) -> 
     state = _load_state(root)
     assert state is not None
     again = f"run `python -m mcore_fixes vendor --baseline {b.name}` (with --force to drop edits)"
+    if state.get("incomplete"):
+        raise CheckFailed(f"an interrupted `vendor` left megatron/ half written; {again}")
     series = series_hashes(manifest, b)
     recorded = state.get("series")
     if recorded is not None and recorded != series:

@@ -202,3 +202,14 @@ def test_regen_refuses_a_missing_patch_file(world, project, tool):
     assert r.rc == 1
     assert f"restore patches/{PATCH_FILES['join-sep']}" in r.err
     assert tree_snapshot(project / "patches") == before
+
+
+def test_regen_refuses_a_swapped_vendored_tree(world, project, tool):
+    """regen changes variant files a vendored tree's edits are exported against: it first
+    checks that tree like export does."""
+    assert tool(project, "vendor").rc == 0
+    (project / "megatron/core/_mcore_fixes.json").unlink()
+    before = tree_snapshot(project / "patches")
+    r = tool(project, "regen")
+    assert r.rc == 1 and "megatron/ is not the tree vendor wrote" in r.err, r.err
+    assert tree_snapshot(project / "patches") == before
