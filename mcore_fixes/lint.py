@@ -10,9 +10,12 @@ per patch), against its parent:
   copyright (or an MIT / Apache license) in its first 10 lines;
 - ``pylint``: with the checkout's ``.pylintrc`` on the changed files under ``megatron/core``
   (upstream's pre-commit scope); only messages on lines the commit adds count;
-- ``black`` / ``isort``: upstream's settings; only the lines the commit adds are judged (a
-  formatter diff line that removes a line the commit added), so upstream code formatted by
-  another black release does not count against us.
+- ``black`` / ``isort``: upstream's settings and scopes (pre-commit: black on megatron/core and
+  tests/unit_tests, isort on megatron/core), ``--check`` on every file the commit touches, in
+  full (two test functions without black's blank lines between them fail, wherever they are);
+  a file the formatter would rewrite is checked again as it was before the commit, and only the
+  rewrites the commit introduces count (a pinned black may already reformat upstream's own
+  code on older baselines).
 
 Tool versions are the ones upstream pins: black, isort and pylint from the checkout's
 ``pyproject.toml`` (dependency group ``linting``; main: black 26.3.0, isort 5.13.2, pylint
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -46,6 +48,9 @@ from .errors import UserError
 BLACK = ["black", "--diff", "-q", "-l", "100", "--skip-string-normalization",
          "--skip-magic-trailing-comma"]  # fmt: skip
 ISORT = ["isort", "--diff", "--profile", "black", "-l", "100", "-p", "megatron"]
+# Upstream's pre-commit `files:` of each formatter.
+BLACK_SCOPE = ("megatron/core/", "tests/unit_tests/")
+ISORT_SCOPE = ("megatron/core/",)
 
 # Upstream main's pins (pyproject.toml, dependency group `linting`), used without a checkout.
 DEFAULT_PINS = {"black": "26.3.0", "isort": "5.13.2", "pylint": "3.2.6"}
@@ -108,14 +113,6 @@ def new_files(patch_text: str) -> list[str]:
     return created
 
 
-def _offending(diff: str, ours: set[str]) -> list[str]:
-    # Blank lines are everybody's: a blank line black drops may be upstream's.
-    return [
-        ln[1:] for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")
-        if ln[1:].strip() and ln[1:] in ours
-    ]  # fmt: skip
-
-
 def _exe(name: str) -> str | None:
     """A tool beside this interpreter (its venv), else on PATH."""
     here = Path(sys.executable).parent / name
@@ -128,81 +125,175 @@ def _formatters(tools_bin: Path | None) -> tuple[list[str], list[str]]:
     return [str(tools_bin / "black"), *BLACK[1:]], [str(tools_bin / "isort"), *ISORT[1:]]
 
 
-def _ranges(numbers: set[int]) -> list[str]:
-    """Sorted line numbers as black's ``--line-ranges`` values (``a-b``, contiguous runs)."""
-    runs: list[list[int]] = []
-    for n in sorted(numbers):
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return [f"--line-ranges={a}-{b}" for a, b in runs]
+def in_scope(formatter: str, path: str) -> bool:
+    """Whether upstream's pre-commit runs `formatter` on `path` (.pre-commit-config.yaml)."""
+    if not path.endswith(".py"):
+        return False
+    return path.startswith(BLACK_SCOPE if formatter == "black" else ISORT_SCOPE)
 
 
-def lint(
-    tree: Path,
-    patch_texts: list[str],
-    tools_bin: Path | None = None,
-    only: str | None = None,
-    line_numbers: dict[str, set[int]] | None = None,
-) -> list[str]:
-    """black/isort problems in the lines the patches add to Python files of `tree` (empty: clean).
+@dataclass(frozen=True)
+class Hunk:
+    """One rewrite a formatter would make: a run of -/+ lines, where, and its neighbours."""
 
-    `only` limits to one formatter ("black" or "isort"); the rest as in `problems_by_formatter`.
+    line: int  # in the checked file
+    changed: tuple[str, ...]  # the run's -/+ lines
+    context: tuple[str, str]  # the nearest unchanged line before and after it
+
+    def describe(self) -> str:
+        removed = [ln[1:].strip() for ln in self.changed if ln.startswith("-") and ln[1:].strip()]
+        added = [ln[1:].strip() for ln in self.changed if ln.startswith("+")]
+        if removed:
+            return removed[0]
+        if all(not a for a in added):
+            return f"missing blank line(s) before `{self.context[1].strip() or 'end of file'}`"
+        return f"insert `{next(a for a in added if a)}`"
+
+
+_HUNK = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
+
+
+def _runs(lines: list[str], start: int) -> list[Hunk]:
+    """The change runs of one diff hunk (context lines split them)."""
+    runs: list[Hunk] = []
+    line, before, run, at = start, "", [], start
+    for i, ln in enumerate([*lines, " "]):
+        if ln[:1] in "+-":
+            if not run:
+                at = line
+            run.append(ln)
+            line += ln[:1] == "-"
+            continue
+        if run:
+            after = ln[1:] if i < len(lines) else ""
+            runs.append(Hunk(at, tuple(run), (before, after)))
+            run = []
+        before = ln[1:]
+        line += 1
+    return runs
+
+
+def parse_diff(text: str, paths: list[str]) -> dict[str, list[Hunk]]:
+    """A formatter's unified `--diff` output, per checked file (of `paths`): its change runs.
+
+    black names files as given (`--- x.py\t<time>`); isort by absolute path and `:before`.
     """
-    names = (only,) if only else FORMATTERS
-    found = problems_by_formatter(tree, patch_texts, tools_bin, names, line_numbers)
-    return [problem for name in names for problem in found[name]]
+    out: dict[str, list[Hunk]] = {}
+    current: list[Hunk] | None = None
+    lines: list[str] = []
+    start = 0
+
+    def flush() -> None:
+        if current is not None and lines:
+            current.extend(_runs(lines, start))
+
+    rows = text.splitlines()
+    i = 0
+    while i < len(rows):
+        row = rows[i]
+        if row.startswith("--- ") and i + 1 < len(rows) and rows[i + 1].startswith("+++ "):
+            flush()
+            lines = []
+            name = row[4:].split("\t")[0].removesuffix(":before").strip()
+            match = [p for p in paths if name == p or name.endswith("/" + p)]
+            current = out.setdefault(max(match, key=len), []) if match else None
+            i += 2
+            continue
+        m = _HUNK.match(row)
+        if m:
+            flush()
+            lines, start = [], int(m.group(1))
+        elif current is not None and row[:1] in " +-":
+            lines.append(row)
+        elif current is not None and row == "":
+            lines.append(" ")  # a context line that is empty
+        i += 1
+    flush()
+    return out
 
 
-def problems_by_formatter(
+def introduced(after: list[Hunk], before: list[Hunk]) -> list[Hunk]:
+    """The rewrites of `after` that `before` (the same file before the commit) does not need.
+
+    Matched as multisets: first run for run with its neighbours, then the leftovers by their
+    changed lines alone (an upstream problem next to a line the commit changed is upstream's).
+    """
+    pool = list(before)
+    left: list[Hunk] = []
+    for h in after:
+        twin = next((b for b in pool if b.context == h.context), None)
+        if twin is None:
+            left.append(h)
+        else:
+            pool.remove(twin)
+    ours: list[Hunk] = []
+    for h in left:
+        twin = next((b for b in pool if b.changed == h.changed), None)
+        if twin is None:
+            ours.append(h)
+        else:
+            pool.remove(twin)
+    return ours
+
+
+def _run_formatter(cmd: list[str], files: list[str], cwd: Path) -> tuple[str, str, int]:
+    proc = subprocess.run([*cmd, *files], cwd=cwd, capture_output=True, text=True)
+    return proc.stdout, proc.stderr, proc.returncode
+
+
+def formatter_problems(
     tree: Path,
-    patch_texts: list[str],
+    files: list[str],
+    before: dict[str, str | None],
     tools_bin: Path | None = None,
     names: tuple[str, ...] = FORMATTERS,
-    line_numbers: dict[str, set[int]] | None = None,
 ) -> dict[str, list[str]]:
-    """Per formatter of `names`, its problems in the lines the patches add (empty: clean).
+    """Per formatter of `names`, what it would rewrite in the touched `files` of `tree`, in full,
+    that it would not rewrite in the same file before the commit (`before`: path -> its text
+    there, None where the commit adds the file). Empty lists: clean.
 
-    `line_numbers` (per file, the lines the patches add in `tree`) lets black format just those
-    statements (``--line-ranges``): the same verdict on our lines, without formatting the rest
-    of a 3000-line upstream file. The formatters run side by side, one process per core.
+    Each formatter checks every file it covers in one process (black and isort side by side);
+    only files it would rewrite are checked again as they were before the commit (a pinned
+    black may already reformat upstream's own code: that is not the commit's doing).
     """
     black, isort = _formatters(tools_bin)
-    ours: dict[str, set[str]] = {}
-    for text in patch_texts:
-        for path, lines in added_lines(text).items():
-            ours.setdefault(path, set()).update(lines)
     problems: dict[str, list[str]] = {name: [] for name in names}
-    jobs: list[tuple[str, str, list[str], set[str]]] = []  # path, formatter, command, our lines
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "black.toml"
         config.write_text("[tool.black]\n")
-        for path, lines in sorted(ours.items()):
-            if not path.endswith(".py") or not (tree / path).exists():
+        cmds = {
+            "black": [*black, "--config", str(config)],
+            # both runs read the tree's isort settings (known sections of the baseline)
+            "isort": [*isort, "--check-only", f"--settings-path={tree}"],
+        }
+        targets = {n: [f for f in files if in_scope(n, f) and (tree / f).is_file()] for n in names}
+        jobs = [n for n in names if targets[n]]
+        with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+            done = dict(zip(jobs, pool.map(lambda n: _run_formatter(cmds[n], targets[n], tree),
+                                           jobs), strict=True))  # fmt: skip
+        old_root = Path(tmp) / "before"
+        redo: dict[str, list[str]] = {}
+        found: dict[str, dict[str, list[Hunk]]] = {}
+        for name in jobs:
+            out, err, rc = done[name]
+            if rc not in (0, 1):
+                problems[name].append(f"{name} failed: {err.strip()[-300:]}")
                 continue
-            ranges = _ranges((line_numbers or {}).get(path, set()))
-            tools = [("black", [*black, "--config", str(config), *ranges, path])]
-            if path.startswith("megatron/core/"):
-                tools.append(("isort", [*isort, path]))
-            jobs += [(path, name, cmd, lines) for name, cmd in tools if name in names]
-        # read-only runs on one tree: one process per core at a time, results in order
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            procs = pool.map(lambda job: _run(job[2], tree), jobs)
-            for (path, name, _, lines), proc in zip(jobs, procs, strict=True):
-                if proc.returncode not in (0, 1):
-                    problems[name].append(f"{path}: {name} failed: {proc.stderr.strip()}")
-                for line in _offending(proc.stdout, lines):
-                    problems[name].append(f"{path}: {name} would rewrite: {line.strip()}")
+            found[name] = parse_diff(out, targets[name])
+            redo[name] = [f for f in found[name] if before.get(f) is not None]
+            for f in redo[name]:
+                (old_root / f).parent.mkdir(parents=True, exist_ok=True)
+                (old_root / f).write_text(before[f] or "", encoding="utf-8")
+        with ThreadPoolExecutor(max_workers=max(1, len(redo))) as pool:
+            again = dict(zip(redo, pool.map(
+                lambda n: _run_formatter(cmds[n], redo[n], old_root) if redo[n] else ("", "", 0),
+                redo), strict=True))  # fmt: skip
+        for name, per_file in found.items():
+            old = parse_diff(again[name][0], redo[name]) if redo.get(name) else {}
+            for path in targets[name]:
+                for h in introduced(per_file.get(path, []), old.get(path, [])):
+                    problems[name].append(f"{path}:{h.line}: {name} would rewrite: {h.describe()}")
     return problems
-
-
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    if proc.returncode == 2 and "--line-ranges" in proc.stderr:  # a black before 23.11 (pins)
-        cmd = [a for a in cmd if not a.startswith("--line-ranges=")]
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    return proc
 
 
 def copyright_problems(tree: Path, patch_text: str) -> list[str]:
@@ -417,18 +508,20 @@ def check_commit(
     exes = {name: (tools_bin / name) if tools_bin else _exe(name) for name in FORMATTERS}
     have = [name for name, exe in exes.items() if exe is not None and Path(exe).exists()]
     found: dict[str, list[str]] = {}
-    if have:  # both formatters in one go (they run side by side)
-        numbers = added_line_numbers(git.out(tree, "diff", "-U0", parent, commit))
-        found = problems_by_formatter(tree, [patch_text], tools_bin, tuple(have), numbers)
+    if have:  # both formatters in one go (they run side by side), each over every touched file
+        added = set(new_files(patch_text))
+        before = {f: None if f in added else _show(tree, parent, f) for f in files}
+        found = formatter_problems(tree, files, before, tools_bin, tuple(have))
     for name in FORMATTERS:
         if name not in have:
             results.append(Result(name, "skipped", f"{name} is not on PATH"))
             continue
         problems = found[name]
+        n_files = len([f for f in files if in_scope(name, f)])
         results.append(
-            Result(name, "FAIL", f"{len(problems)} line(s)", tuple(problems))
+            Result(name, "FAIL", f"{len(problems)} rewrite(s)", tuple(problems))
             if problems
-            else Result(name, "ok")
+            else Result(name, "ok", f"{n_files} file(s) in full")
         )
     return results
 
