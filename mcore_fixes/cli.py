@@ -231,6 +231,7 @@ def cmd_lint_patches(args: argparse.Namespace) -> int:
         lambda b: _tree_or_skip(args, b, progress),
         sources.mcore_repo_from(args.mcore_repo),
         args.tools_python,
+        python_tests=args.python,
     )
 
 
@@ -360,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tools-python",
         help="interpreter with upstream's pinned black/isort/pylint and griffe "
         "(default: a venv the tool makes under build/lint-env)",
+    )
+    p.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter with torch + pytest: each patch's tests collected on the baseline plus "
+        "its requires (skipped, said so, where it lacks them)",
     )
     with_repo(p)
     p.set_defaults(func=cmd_lint_patches)

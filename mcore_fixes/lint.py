@@ -570,20 +570,40 @@ def lint_patches(
     mcore_repo: Path | None,
     tools_python: str | None,
     say=print,
+    python_tests: str | None = None,
 ) -> int:
     """`lint-patches`: one line per commit and check; returns the exit status (1: a check failed).
 
     `tree_or_skip(b)` gives the pristine tree repository of baseline `b`, or why it is skipped.
+    Besides upstream's checks per commit: the series as stacked (mcore_fixes/stack.py: `index`,
+    `export`) and each commit alone (`alone`, `collect` with `python_tests`, an interpreter
+    with torch and pytest; None: the one running the tool, where it has them).
     """
+    from . import stack  # noqa: PLC0415
     from .series import APPLIES, CONFLICT, MISSING, apply_series, read_patch  # noqa: PLC0415
 
     failed = 0
     python: str | None = None
+    tests_python = python_tests or sys.executable
+    no_collect = stack.can_collect(tests_python)
     with tempfile.TemporaryDirectory(prefix="mcore-fixes-lint-") as scratch:
         for b in baselines:
             tree = tree_or_skip(b)
             if isinstance(tree, str):
-                say(f"{b.name}: skipped: {tree}")
+                # without its tree, what the patch files alone tell: the blob chain
+                series = stack.effective_series(manifest, b, None)
+                texts = [(pid, read_patch(path)) for pid, path in series]
+                chain = stack.blob_chain(texts, None, with_tests=b.is_git)
+                bad = {pid: found for pid, found in chain.items() if found}
+                for pid, found in bad.items():
+                    say(f"{b.name}  {pid:<26} {'index':<9} FAIL  {found[0]}")
+                    for problem in found[1:]:
+                        say(f"    {problem}")
+                failed += len(bad)
+                say(
+                    f"{b.name}: skipped: {tree}; index chain of its {len(series)} patch file(s): "
+                    f"{len(bad)} failed"
+                )
                 continue
             up: Upstream | None = None
             if mcore_repo is None:
@@ -600,7 +620,8 @@ def lint_patches(
             say(f"{b.name}: tools: {versions_line(python if up else None, up)}")
             if why:
                 say(f"{b.name}: skipped api, pylint: {why}")
-            n_fail = n_skip = n_commits = 0
+            extra = _stack_results(tree, manifest, b, cells, tests_python, no_collect)
+            n_fail = n_skip = n_checks = n_commits = 0
             for cell in cells:
                 if cell.state != APPLIES:
                     # with a checkout the question is "ready for upstream?": it must apply;
@@ -614,9 +635,11 @@ def lint_patches(
                 n_commits += 1
                 text = read_patch(manifest.root / cell.file)
                 parent = git.out(tree, "rev-parse", f"{cell.commit}^")
-                for r in check_commit(tree, parent, cell.commit, text, up, python if up else None,
-                                      why):  # fmt: skip
-                    if r.state == "skipped" and why:
+                results = check_commit(tree, parent, cell.commit, text, up,
+                                       python if up else None, why)  # fmt: skip
+                for r in [*results, *extra.get(cell.patch, [])]:
+                    n_checks += 1
+                    if r.state == "skipped" and why and r.check in ("api", "pylint"):
                         n_skip += 1
                         continue  # said once per baseline above
                     n_fail += r.state == "FAIL"
@@ -628,10 +651,65 @@ def lint_patches(
             git.run(tree, "checkout", "-q", "-f", cells and _last(cells) or "pristine")
             failed += n_fail
             say(
-                f"{b.name}: {n_commits} commit(s) x {len(CHECKS)} checks: "
+                f"{b.name}: {n_commits} commit(s), {n_checks} checks: "
                 f"{n_fail} failed, {n_skip} skipped"
             )
     return 1 if failed else 0
+
+
+def _stack_results(
+    tree: Path, manifest, b, cells: list, tests_python: str, no_collect: str
+) -> dict[str, list[Result]]:
+    """Per applied patch: `index`, `export`, `alone` and `collect` (mcore_fixes/stack.py)."""
+    from . import stack  # noqa: PLC0415
+    from .series import has_upstream_tests, read_patch  # noqa: PLC0415
+
+    out: dict[str, list[Result]] = {}
+    series = stack.effective_series(manifest, b, cells)
+    texts = [(pid, read_patch(path)) for pid, path in series]
+    chain = stack.blob_chain(texts, stack.pristine_blobs(tree), with_tests=b.is_git)
+    drift = stack.export_drift(tree, manifest, b, cells)
+    by_id = {c.patch: c for c in cells}
+    with_tests = has_upstream_tests(tree)
+    ours = {f for _, text in texts for f in git.touched_paths(text)}
+    for pid, _ in series:
+        found = chain.get(pid, [])
+        rows = [
+            Result("index", "FAIL", f"{len(found)} file(s)", tuple(found))
+            if found
+            else Result("index", "ok", "pre-images are what the stack before it leaves")
+        ]
+        cell = by_id[pid]
+        if pid in drift:
+            rows.append(Result("export", "FAIL", drift[pid]))
+        elif cell.excluded or not stack.owned(manifest, b, cell):
+            why = "its tests are not in this tree" if cell.excluded else f"not {b.name}'s file"
+            rows.append(Result("export", "skipped", why))
+        else:
+            rows.append(Result("export", "ok", "no edits: byte-identical"))
+        out[pid] = rows
+    for a in stack.alone(tree, manifest, cells):
+        out[a.patch].append(Result("alone", a.state, a.detail))
+        if a.state != "ok":
+            continue
+        touched = git.touched_paths(read_patch(manifest.root / by_id[a.patch].file))
+        unbound = stack.names_problems(tree, a.base, a.tree, touched)
+        n_py = len([f for f in touched if f.endswith(".py")])
+        out[a.patch].append(
+            Result("names", "FAIL", f"{len(unbound)} file(s)", tuple(unbound))
+            if unbound
+            else Result("names", "ok", f"{n_py} file(s) compile, no unbound global name")
+        )
+        tests = stack.patch_tests(manifest, by_id[a.patch]) if with_tests else []
+        if not tests:
+            continue
+        if no_collect:
+            out[a.patch].append(Result("collect", "skipped", no_collect))
+            continue
+        ok, detail = stack.collect(tree, a.tree, tests, tests_python, ours)
+        state = "skipped" if ok is None else "ok" if ok else "FAIL"
+        out[a.patch].append(Result("collect", state, detail))
+    return out
 
 
 def _last(cells) -> str:

@@ -135,7 +135,7 @@ def test_without_a_checkout_the_upstream_checks_are_skipped(project, tool) -> No
     # the toy series' test files carry no copyright line: upstream's CI would refuse them
     assert "0.1.0  fix-mean                   copyright FAIL  1 file(s)" in res.out
     assert "    tests/unit_tests/test_mean.py: no NVIDIA copyright line" in res.out
-    assert "0.1.0: 3 commit(s) x 5 checks: 3 failed" in res.out
+    assert "0.1.0: 3 commit(s), 30 checks: 3 failed" in res.out
     assert res.rc == 1
 
 
