@@ -236,9 +236,62 @@ def introduced(after: list[Hunk], before: list[Hunk]) -> list[Hunk]:
     return ours
 
 
-def _run_formatter(cmd: list[str], files: list[str], cwd: Path) -> tuple[str, str, int]:
-    proc = subprocess.run([*cmd, *files], cwd=cwd, capture_output=True, text=True)
-    return proc.stdout, proc.stderr, proc.returncode
+class Formatters:
+    """black and isort over many file versions, one process per formatter and batch.
+
+    A version is a key (a blob id, or any unique name) and its path and text; it is written to
+    <scratch>/<key>/<path> so that every run sees the same layout and settings (the tree's
+    isort settings, black's upstream flags), whatever commit the text comes from.
+    """
+
+    def __init__(self, tree: Path, scratch: Path, tools_bin: Path | None, names: tuple[str, ...]):
+        black, isort = _formatters(tools_bin)
+        config = scratch / "black.toml"
+        config.write_text("[tool.black]\n")
+        self.cmds = {
+            "black": [*black, "--config", str(config)],
+            "isort": [*isort, "--check-only", f"--settings-path={tree}"],
+        }
+        self.names, self.scratch = names, scratch
+        self.hunks: dict[str, dict[str, list[Hunk]]] = {n: {} for n in names}
+        self.failed: dict[str, str] = {}  # formatter -> why it did not run
+
+    def run(self, versions: dict[str, tuple[str, str]]) -> None:
+        """Check every version not checked yet (key -> (path, text))."""
+        todo: dict[str, list[str]] = {}
+        for name in self.names:
+            todo[name] = []
+            for key, (path, text) in versions.items():
+                if key in self.hunks[name] or not in_scope(name, path):
+                    continue
+                target = self.scratch / key / path
+                if not target.exists():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text(text, encoding="utf-8")
+                todo[name].append(f"{key}/{path}")
+        jobs = [n for n in self.names if todo[n] and n not in self.failed]
+        with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+            procs = list(pool.map(lambda n: subprocess.run([*self.cmds[n], *todo[n]],
+                     cwd=self.scratch, capture_output=True, text=True), jobs))  # fmt: skip
+        for name, proc in zip(jobs, procs, strict=True):
+            if proc.returncode not in (0, 1):
+                self.failed[name] = f"{name} failed: {proc.stderr.strip()[-300:]}"
+                continue
+            found = parse_diff(proc.stdout, todo[name])
+            for rel in todo[name]:
+                self.hunks[name][rel.partition("/")[0]] = found.get(rel, [])
+
+    def problems(self, name: str, path: str, after: str, before: str | None) -> list[str] | None:
+        """What `name` would rewrite in version `after` of `path` that version `before` (None:
+        the commit adds the file) does not need; None: `before` must be checked first."""
+        if name in self.failed:
+            return [self.failed[name]]
+        mine = self.hunks[name].get(after, [])
+        if mine and before is not None and before not in self.hunks[name]:
+            return None
+        old = self.hunks[name].get(before, []) if before is not None else []
+        return [f"{path}:{h.line}: {name} would rewrite: {h.describe()}"
+                for h in introduced(mine, old)]  # fmt: skip
 
 
 def formatter_problems(
@@ -251,49 +304,52 @@ def formatter_problems(
     """Per formatter of `names`, what it would rewrite in the touched `files` of `tree`, in full,
     that it would not rewrite in the same file before the commit (`before`: path -> its text
     there, None where the commit adds the file). Empty lists: clean.
-
-    Each formatter checks every file it covers in one process (black and isort side by side);
-    only files it would rewrite are checked again as they were before the commit (a pinned
-    black may already reformat upstream's own code: that is not the commit's doing).
     """
-    black, isort = _formatters(tools_bin)
-    problems: dict[str, list[str]] = {name: [] for name in names}
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "black.toml"
-        config.write_text("[tool.black]\n")
-        cmds = {
-            "black": [*black, "--config", str(config)],
-            # both runs read the tree's isort settings (known sections of the baseline)
-            "isort": [*isort, "--check-only", f"--settings-path={tree}"],
-        }
-        targets = {n: [f for f in files if in_scope(n, f) and (tree / f).is_file()] for n in names}
-        jobs = [n for n in names if targets[n]]
-        with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
-            done = dict(zip(jobs, pool.map(lambda n: _run_formatter(cmds[n], targets[n], tree),
-                                           jobs), strict=True))  # fmt: skip
-        old_root = Path(tmp) / "before"
-        redo: dict[str, list[str]] = {}
-        found: dict[str, dict[str, list[Hunk]]] = {}
-        for name in jobs:
-            out, err, rc = done[name]
-            if rc not in (0, 1):
-                problems[name].append(f"{name} failed: {err.strip()[-300:]}")
-                continue
-            found[name] = parse_diff(out, targets[name])
-            redo[name] = [f for f in found[name] if before.get(f) is not None]
-            for f in redo[name]:
-                (old_root / f).parent.mkdir(parents=True, exist_ok=True)
-                (old_root / f).write_text(before[f] or "", encoding="utf-8")
-        with ThreadPoolExecutor(max_workers=max(1, len(redo))) as pool:
-            again = dict(zip(redo, pool.map(
-                lambda n: _run_formatter(cmds[n], redo[n], old_root) if redo[n] else ("", "", 0),
-                redo), strict=True))  # fmt: skip
-        for name, per_file in found.items():
-            old = parse_diff(again[name][0], redo[name]) if redo.get(name) else {}
-            for path in targets[name]:
-                for h in introduced(per_file.get(path, []), old.get(path, [])):
-                    problems[name].append(f"{path}:{h.line}: {name} would rewrite: {h.describe()}")
-    return problems
+    commits = [("after", {f: (tree / f).read_text(encoding="utf-8") for f in files
+                          if (tree / f).is_file()}, before)]  # fmt: skip
+    return batch_problems(tree, commits, tools_bin, names)[0]
+
+
+def batch_problems(
+    tree: Path,
+    commits: list[tuple[str, dict[str, str], dict[str, str | None]]],
+    tools_bin: Path | None = None,
+    names: tuple[str, ...] = FORMATTERS,
+) -> list[dict[str, list[str]]]:
+    """`formatter_problems` of many commits at once: per commit (a name, path -> text after,
+    path -> text before or None), per formatter, its problems.
+
+    Versions are keyed by content, so a file's text before commit k that is its text after
+    commit k-1 is checked once; each formatter runs twice at most (the versions after the
+    commits, then the versions before of the files it would rewrite), so a series of many
+    commits costs two black and two isort processes, not four per commit.
+    """
+
+    def key(text: str) -> str:
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    with tempfile.TemporaryDirectory(prefix="mcore-fixes-fmt-") as tmp:
+        fmt = Formatters(tree, Path(tmp), tools_bin, names)
+        fmt.run({key(t): (p, t) for _, after, _ in commits for p, t in after.items()})
+        need: dict[str, tuple[str, str]] = {}
+        for _, after, before in commits:
+            for p, t in after.items():
+                old = before.get(p)
+                for name in names:
+                    if old is not None and fmt.problems(name, p, key(t), key(old)) is None:
+                        need[key(old)] = (p, old)
+        fmt.run(need)
+        out = []
+        for _, after, before in commits:
+            per: dict[str, list[str]] = {name: [] for name in names}
+            for p, t in sorted(after.items()):
+                old = before.get(p)
+                for name in names:
+                    per[name] += (
+                        fmt.problems(name, p, key(t), None if old is None else key(old)) or []
+                    )
+            out.append(per)
+        return out
 
 
 def copyright_problems(tree: Path, patch_text: str) -> list[str]:
@@ -484,8 +540,13 @@ def check_commit(
     up: Upstream | None,
     python: str | None,
     why_skipped: str,
+    formatted: dict[str, list[str]] | None = None,
 ) -> list[Result]:
-    """Every check of CHECKS for one commit of the tree repository (checked out here)."""
+    """Every check of CHECKS for one commit of the tree repository (checked out here).
+
+    `formatted`: the formatters' problems of this commit, where `batch_problems` had them for
+    the whole series; else they run here.
+    """
     git.run(tree, "checkout", "-q", "-f", commit)
     files = git.out(tree, "diff", "--name-only", "--diff-filter=d", parent, commit).splitlines()
     tools_bin = Path(python).parent if python else None
@@ -508,10 +569,11 @@ def check_commit(
     exes = {name: (tools_bin / name) if tools_bin else _exe(name) for name in FORMATTERS}
     have = [name for name, exe in exes.items() if exe is not None and Path(exe).exists()]
     found: dict[str, list[str]] = {}
-    if have:  # both formatters in one go (they run side by side), each over every touched file
-        added = set(new_files(patch_text))
-        before = {f: None if f in added else _show(tree, parent, f) for f in files}
-        found = formatter_problems(tree, files, before, tools_bin, tuple(have))
+    if formatted is not None:
+        found = formatted
+    elif have:  # both formatters in one go (they run side by side), each over every touched file
+        found = batch_problems(tree, [_versions_of(tree, parent, commit, files)], tools_bin,
+                               tuple(have))[0]  # fmt: skip
     for name in FORMATTERS:
         if name not in have:
             results.append(Result(name, "skipped", f"{name} is not on PATH"))
@@ -524,6 +586,15 @@ def check_commit(
             else Result(name, "ok", f"{n_files} file(s) in full")
         )
     return results
+
+
+def _versions_of(
+    tree: Path, parent: str, commit: str, files: list[str]
+) -> tuple[str, dict[str, str], dict[str, str | None]]:
+    """A commit's touched Python files in any formatter's scope: (commit, after, before)."""
+    mine = [f for f in files if any(in_scope(n, f) for n in FORMATTERS)]
+    after = {f: t for f in mine if (t := _show(tree, commit, f)) is not None}
+    return commit, after, {f: _show(tree, parent, f) for f in after}
 
 
 def versions_line(python: str | None, up: Upstream | None) -> str:
@@ -593,7 +664,8 @@ def lint_patches(
                 # without its tree, what the patch files alone tell: the blob chain
                 series = stack.effective_series(manifest, b, None)
                 texts = [(pid, read_patch(path)) for pid, path in series]
-                chain = stack.blob_chain(texts, None, with_tests=b.is_git)
+                owned = stack.owned_ids(manifest, b)
+                chain = stack.blob_chain(texts, None, with_tests=b.is_git, owned=owned)
                 bad = {pid: found for pid, found in chain.items() if found}
                 for pid, found in bad.items():
                     say(f"{b.name}  {pid:<26} {'index':<9} FAIL  {found[0]}")
@@ -621,6 +693,7 @@ def lint_patches(
             if why:
                 say(f"{b.name}: skipped api, pylint: {why}")
             extra = _stack_results(tree, manifest, b, cells, tests_python, no_collect)
+            formatted = _format_series(tree, cells, python if up else None)
             n_fail = n_skip = n_checks = n_commits = 0
             for cell in cells:
                 if cell.state != APPLIES:
@@ -636,7 +709,8 @@ def lint_patches(
                 text = read_patch(manifest.root / cell.file)
                 parent = git.out(tree, "rev-parse", f"{cell.commit}^")
                 results = check_commit(tree, parent, cell.commit, text, up,
-                                       python if up else None, why)  # fmt: skip
+                                       python if up else None, why,
+                                       formatted.get(cell.patch))  # fmt: skip
                 for r in [*results, *extra.get(cell.patch, [])]:
                     n_checks += 1
                     if r.state == "skipped" and why and r.check in ("api", "pylint"):
@@ -657,6 +731,23 @@ def lint_patches(
     return 1 if failed else 0
 
 
+def _format_series(tree: Path, cells: list, python: str | None) -> dict[str, dict[str, list[str]]]:
+    """black/isort problems of every applied commit, in one batch (see `batch_problems`)."""
+    tools_bin = Path(python).parent if python else None
+    exes = {name: (tools_bin / name) if tools_bin else _exe(name) for name in FORMATTERS}
+    have = tuple(n for n, exe in exes.items() if exe is not None and Path(exe).exists())
+    applied = [c for c in cells if c.commit]
+    if not have or not applied:
+        return {}
+    commits = []
+    for c in applied:
+        parent = git.out(tree, "rev-parse", f"{c.commit}^")
+        files = git.out(tree, "diff", "--name-only", "--diff-filter=d", parent, c.commit)
+        commits.append(_versions_of(tree, parent, c.commit, files.splitlines()))
+    found = batch_problems(tree, commits, tools_bin, have)
+    return {c.patch: per for c, per in zip(applied, found, strict=True)}
+
+
 def _stack_results(
     tree: Path, manifest, b, cells: list, tests_python: str, no_collect: str
 ) -> dict[str, list[Result]]:
@@ -667,19 +758,23 @@ def _stack_results(
     out: dict[str, list[Result]] = {}
     series = stack.effective_series(manifest, b, cells)
     texts = [(pid, read_patch(path)) for pid, path in series]
-    chain = stack.blob_chain(texts, stack.pristine_blobs(tree), with_tests=b.is_git)
+    owned = stack.owned_ids(manifest, b)
+    blobs = stack.stack_blobs(tree, cells)
+    chain = stack.blob_chain(texts, None, b.is_git, owned, blobs)
     drift = stack.export_drift(tree, manifest, b, cells)
     by_id = {c.patch: c for c in cells}
     with_tests = has_upstream_tests(tree)
     ours = {f for _, text in texts for f in git.touched_paths(text)}
     for pid, _ in series:
         found = chain.get(pid, [])
+        cell = by_id[pid]
         rows = [
             Result("index", "FAIL", f"{len(found)} file(s)", tuple(found))
             if found
             else Result("index", "ok", "pre-images are what the stack before it leaves")
+            if pid in owned
+            else Result("index", "skipped", f"not {b.name}'s file (targets {manifest.canonical})")
         ]
-        cell = by_id[pid]
         if pid in drift:
             rows.append(Result("export", "FAIL", drift[pid]))
         elif cell.excluded or not stack.owned(manifest, b, cell):

@@ -77,16 +77,22 @@ def blob_chain(
     series: list[tuple[str, str]],
     pristine: dict[str, str] | None,
     with_tests: bool,
+    owned: set[str] | None = None,
+    actual: dict[tuple[str, str], str] | None = None,
 ) -> dict[str, list[str]]:
     """Per patch id of `series` ((id, patch text) in order), where its pre-images break the chain.
 
     `pristine`: path -> blob of the baseline's pristine tree (None: no tree at hand, the first
-    patch touching a file is not checked); `with_tests`: check tests/ files too.
+    patch touching a file is not checked); `with_tests`: check tests/ files too. `owned`: the
+    patches whose files this baseline's export writes (None: all); only they are judged, and a
+    file another one (a canonical patch on an older baseline) touched last is unknown, unless
+    `actual` ((id, path) -> blob just before that patch in the applied stack) says it.
     """
-    last: dict[str, tuple[str, str]] = {}  # path -> (post blob, patch id)
+    last: dict[str, tuple[str, str]] = {}  # path -> (post blob or "" if unknown, patch id)
     problems: dict[str, list[str]] = {}
     for patch_id, text in series:
         mine = problems.setdefault(patch_id, [])
+        judged = owned is None or patch_id in owned
         for s in index_lines(text):
             if s.path.startswith("tests/") and not with_tests:
                 continue
@@ -96,13 +102,30 @@ def blob_chain(
                 want, source = pristine.get(s.path, "0"), "the pristine file"
             else:
                 want = source = ""
-            if want and not _same(s.pre, want):
+            if actual is not None and (patch_id, s.path) in actual:
+                want = actual[(patch_id, s.path)]
+            if judged and want and not _same(s.pre, want):
                 mine.append(
                     f"{s.path}: pre-image {_short(s.pre)} is not {source} ({_short(want)}): "
                     "exported from another stack"
                 )
-            last[s.path] = (s.post, patch_id)
+            last[s.path] = (s.post if judged else "", patch_id)
     return problems
+
+
+def stack_blobs(tree: Path, cells: list[Cell]) -> dict[tuple[str, str], str]:
+    """(patch id, path) -> blob of the path just before the patch in the applied stack ("0":
+    absent), for every path of every applied patch."""
+    found: dict[tuple[str, str], str] = {}
+    for c in cells:
+        if c.state != APPLIES:
+            continue
+        paths = git.out(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", c.commit).split()
+        listing = git.out(tree, "ls-tree", "-r", c.base, "--", *paths) if paths else ""
+        have = {ln.partition("\t")[2]: ln.split()[2] for ln in listing.splitlines()}
+        for path in paths:
+            found[(c.patch, path)] = have.get(path, "0")
+    return found
 
 
 def effective_series(m: Manifest, b: Baseline, cells: list[Cell] | None) -> list[tuple[str, Path]]:
@@ -118,14 +141,11 @@ def effective_series(m: Manifest, b: Baseline, cells: list[Cell] | None) -> list
     return found
 
 
-def pristine_blobs(tree: Path) -> dict[str, str]:
-    """path -> blob id of every file of the tree repository's `pristine` commit."""
-    out = git.out(tree, "ls-tree", "-r", "--full-tree", "pristine")
-    blobs = {}
-    for line in out.splitlines():
-        meta, _, path = line.partition("\t")
-        blobs[path] = meta.split()[2]
-    return blobs
+def owned_ids(m: Manifest, b: Baseline) -> set[str]:
+    """The patches whose files `export` on `b` writes: its variants; every one on canonical."""
+    if b.name == m.canonical:
+        return {p.id for p in m.patches}
+    return {p.id for p in m.patches if p.id in b.variants}
 
 
 def owned(m: Manifest, b: Baseline, cell: Cell) -> bool:
