@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from toolworld import FORMAT_PATCH, commit_all, git, write
@@ -131,11 +132,13 @@ def test_a_hidden_dependency_names_the_patch_it_needs(project, tool) -> None:
     assert _rows(res.out, "mean-doc")["alone"] == "ok  the baseline + fix-mean"
 
 
-def test_without_a_tree_the_patch_files_alone_are_checked(project, tool, monkeypatch) -> None:
+def test_without_a_tree_the_patch_files_alone_are_checked(project, tool) -> None:
     # a git baseline without a checkout (CI): the chain of its patch files is still checked
     _mean_doc_patch(project, on_fix=False)
-    import shutil
-
+    manifest = project / "patches/manifest.toml"
+    absent = 'absent = { weak-test = "constants.py does not exist in 0.1.1" }\n'
+    variant = 'variants = { mean-doc = "0004-mean-doc.patch" }\n'  # core_v0.1.1's own file
+    manifest.write_text(manifest.read_text().replace(absent, absent + variant))
     shutil.rmtree(project / "build" / "trees" / "core_v0.1.1")
     res = tool(project, "lint-patches", "--baseline", "core_v0.1.1")
     assert (
