@@ -137,7 +137,8 @@ def test_without_a_tree_the_patch_files_alone_are_checked(project, tool) -> None
     _mean_doc_patch(project, on_fix=False)
     manifest = project / "patches/manifest.toml"
     absent = 'absent = { weak-test = "constants.py does not exist in 0.1.1" }\n'
-    variant = 'variants = { mean-doc = "0004-mean-doc.patch" }\n'  # core_v0.1.1's own file
+    # core_v0.1.1's own files (a canonical patch's post-image is unknown on another baseline)
+    variant = 'variants = { fix-mean = "0001-fix-mean.patch", mean-doc = "0004-mean-doc.patch" }\n'
     manifest.write_text(manifest.read_text().replace(absent, absent + variant))
     shutil.rmtree(project / "build" / "trees" / "core_v0.1.1")
     res = tool(project, "lint-patches", "--baseline", "core_v0.1.1")
