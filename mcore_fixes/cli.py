@@ -178,8 +178,9 @@ def cmd_prove(args: argparse.Namespace) -> int:
             print(f"baseline {b.name} skipped: {tree}", file=sys.stderr)
             return [Cell(p.id, b.name, SKIPPED, detail=tree) for p in m.patches]
         return prove_baseline(
-            args.root, m, b, tree, args.python, args.patch, progress, runs, args.changed
-        )
+            args.root, m, b, tree, args.python, args.patch, progress, runs, args.changed,
+            alone=args.alone,
+        )  # fmt: skip
 
     # Baselines are independent trees: --jobs of them at once (sdists are fetched first).
     selected = _selected(m, args.baseline)
@@ -346,6 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--changed", action="store_true", help="keep stored proofs that still hold; prove the rest"
     )
     p.add_argument("--timing", help="write the pytest processes' timings (JSON) to this file")
+    p.add_argument(
+        "--alone",
+        action="store_true",
+        help="each commit stands alone: prove each patch on the baseline plus only its declared "
+        "requires (stored apart, build/proofs/<baseline>.alone.json)",
+    )
     with_repo(p)
     p.set_defaults(func=cmd_prove)
 

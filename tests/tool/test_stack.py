@@ -148,3 +148,24 @@ def test_without_a_tree_the_patch_files_alone_are_checked(project, tool) -> None
     assert "core_v0.1.1: skipped: no Megatron-LM checkout" in res.out
     assert "index chain of its 3 patch file(s): 1 failed" in res.out
     assert res.rc == 1
+
+
+def test_prove_alone(project, tool) -> None:
+    # each proof fails on the pristine tree + the patch's declared requires, passes with it
+    _mean_doc_patch(project, on_fix=True)  # needs fix-mean, undeclared; carries no test
+    res = tool(project, "prove", "--alone", "--baseline", "0.1.0", "--patch", "join-sep")
+    assert res.rc == 0, res.text
+    stored = (project / "build/proofs/0.1.0.alone.json").read_text()
+    assert '"verdict": "proven"' in stored and not (project / "build/proofs/0.1.0.json").exists()
+    (project / "tests/proofs/test_mean_doc.py").write_text(
+        "from megatron.core.calc import mean\n\n\ndef test_mean():\n    assert mean([1, 3]) == 2\n"
+    )
+    manifest = project / "patches/manifest.toml"
+    manifest.write_text(
+        manifest.read_text().replace(
+            "fix = 4\n", 'fix = 4\nproof = "tests/proofs/test_mean_doc.py"\n'
+        )
+    )
+    res = tool(project, "prove", "--alone", "--baseline", "0.1.0", "--patch", "mean-doc")
+    assert res.rc == 1
+    assert '"verdict": "not-alone"' in (project / "build/proofs/0.1.0.alone.json").read_text()
