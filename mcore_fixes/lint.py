@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -783,6 +784,7 @@ def _stack_results(
         else:
             rows.append(Result("export", "ok", "no edits: byte-identical"))
         out[pid] = rows
+    collects: list[tuple[str, list[str], str]] = []  # patch, test files, its tree object
     for a in stack.alone(tree, manifest, cells):
         out[a.patch].append(Result("alone", a.state, a.detail))
         if a.state != "ok":
@@ -801,9 +803,13 @@ def _stack_results(
         if no_collect:
             out[a.patch].append(Result("collect", "skipped", no_collect))
             continue
-        ok, detail = stack.collect(tree, a.tree, tests, tests_python, ours)
-        state = "skipped" if ok is None else "ok" if ok else "FAIL"
-        out[a.patch].append(Result("collect", state, detail))
+        collects.append((a.patch, tests, a.tree))
+    # one interpreter per patch (torch + megatron imports): side by side, one per core
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        done = pool.map(lambda c: stack.collect(tree, c[2], c[1], tests_python, ours), collects)
+        for (patch, _, _), (ok, detail) in zip(collects, done, strict=True):
+            state = "skipped" if ok is None else "ok" if ok else "FAIL"
+            out[patch].append(Result("collect", state, detail))
     return out
 
 
