@@ -220,21 +220,20 @@ def introduced(after: list[Hunk], before: list[Hunk]) -> list[Hunk]:
     changed lines alone (an upstream problem next to a line the commit changed is upstream's).
     """
     pool = list(before)
-    left: list[Hunk] = []
-    for h in after:
-        twin = next((b for b in pool if b.context == h.context), None)
+    left = _unmatched(after, pool, lambda h: (h.changed, h.context))
+    return _unmatched(left, pool, lambda h: h.changed)
+
+
+def _unmatched(hunks: list[Hunk], pool: list[Hunk], key) -> list[Hunk]:
+    """The hunks without a twin (same `key`) in `pool`; each twin found leaves the pool."""
+    alone: list[Hunk] = []
+    for h in hunks:
+        twin = next((b for b in pool if key(b) == key(h)), None)
         if twin is None:
-            left.append(h)
+            alone.append(h)
         else:
             pool.remove(twin)
-    ours: list[Hunk] = []
-    for h in left:
-        twin = next((b for b in pool if b.changed == h.changed), None)
-        if twin is None:
-            ours.append(h)
-        else:
-            pool.remove(twin)
-    return ours
+    return alone
 
 
 class Formatters:

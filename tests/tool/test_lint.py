@@ -81,6 +81,8 @@ def test_formatter_diffs_are_matched_as_multisets() -> None:
     moved = lint.Hunk(9, runs[1].changed, ("other", ""))
     assert lint.introduced([moved], runs) == []  # the same rewrite upstream already needed
     assert lint.introduced([moved, moved], runs) == [moved]  # ... but only once
+    other = lint.Hunk(1, ("-import x",), runs[0].context)  # same neighbours, another rewrite
+    assert lint.introduced([other], runs) == [other]
 
 
 NEW_FILE = """\
