@@ -551,13 +551,19 @@ def _picked_note(scratch: Path, m: Manifest, p: Plan) -> str:
             f"{', '.join(f'`{i}`' for i in ids)}; our commits follow as separate commits."
         )
         on_it = [q for q in p.patches if q.id not in ids and set(q.requires) & set(ids)]
+        # branches that already have the commit (the manifest: fixed-upstream there)
+        having = [b.name for b in m.baselines.values() if set(ids) <= set(b.fixed_upstream)]
         for q in on_it:
             path = m.patch_file(m.baseline(m.canonical), q)
             subj = parse_message(read_patch(path)).subject if path and path.exists() else q.id
-            lines.append(
-                f'"{subj}" builds on it, and closes for {sha[:10]} too what it leaves open '
-                f"(on a branch that already has {sha[:10]}, such as dev, it applies as well)."
+            also = [n for n in having if q.id not in m.baseline(n).absent]
+            where = (
+                f" On {', '.join(also)}, which already has {sha[:10]}, it closes what that "
+                "commit leaves open there too (the series carries it there)."
+                if also
+                else ""
             )
+            lines.append(f'"{subj}" builds on it and closes what it leaves open.{where}')
     return "\n\n".join(lines)
 
 
