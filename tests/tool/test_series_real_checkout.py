@@ -8,29 +8,13 @@ runs on a shared clone of the checkout.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from mcore_fixes import manifest
-
-ROOT = Path(__file__).resolve().parents[2]
-MANIFEST = manifest.load(ROOT / "patches" / "manifest.toml")
-MCORE_REPO = os.environ.get("MCORE_REPO")
-
-pytestmark = pytest.mark.skipif(
-    not MCORE_REPO, reason="needs a Megatron-LM checkout: set MCORE_REPO=/path/to/Megatron-LM"
-)
-
-
-def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True
-    ).stdout.strip()
+from test_apply_real_checkout import MANIFEST, MCORE_REPO, ROOT, git, pytestmark  # noqa: F401
 
 
 def tool(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
