@@ -253,8 +253,9 @@ def cmd_prove(args: argparse.Namespace) -> int:
             print(f"baseline {b.name} skipped: {tree}", file=sys.stderr)
             return [Cell(p.id, b.name, SKIPPED, detail=tree) for p in m.patches]
         return prove_baseline(
-            args.root, m, b, tree, args.python, args.patch, progress, runs, args.changed
-        )
+            args.root, m, b, tree, args.python, args.patch, progress, runs, args.changed,
+            alone=args.alone,
+        )  # fmt: skip
 
     # Baselines are independent trees: --jobs of them at once (sdists are fetched first).
     selected = _selected(m, args.baseline)
@@ -306,6 +307,7 @@ def cmd_lint_patches(args: argparse.Namespace) -> int:
         lambda b: _tree_or_skip(args, b, progress),
         sources.mcore_repo_from(args.mcore_repo),
         args.tools_python,
+        python_tests=args.python,
     )
 
 
@@ -432,6 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--changed", action="store_true", help="keep stored proofs that still hold; prove the rest"
     )
     p.add_argument("--timing", help="write the pytest processes' timings (JSON) to this file")
+    p.add_argument(
+        "--alone",
+        action="store_true",
+        help="each commit stands alone: prove each patch on the baseline plus only its declared "
+        "requires (stored apart, build/proofs/<baseline>.alone.json)",
+    )
     with_repo(p)
     p.set_defaults(func=cmd_prove)
 
@@ -447,6 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tools-python",
         help="interpreter with upstream's pinned black/isort/pylint and griffe "
         "(default: a venv the tool makes under build/lint-env)",
+    )
+    p.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter with torch + pytest: each patch's tests collected on the baseline plus "
+        "its requires (skipped, said so, where it lacks them)",
     )
     with_repo(p)
     p.set_defaults(func=cmd_lint_patches)

@@ -10,9 +10,12 @@ per patch), against its parent:
   copyright (or an MIT / Apache license) in its first 10 lines;
 - ``pylint``: with the checkout's ``.pylintrc`` on the changed files under ``megatron/core``
   (upstream's pre-commit scope); only messages on lines the commit adds count;
-- ``black`` / ``isort``: upstream's settings; only the lines the commit adds are judged (a
-  formatter diff line that removes a line the commit added), so upstream code formatted by
-  another black release does not count against us.
+- ``black`` / ``isort``: upstream's settings and scopes (pre-commit: black on megatron/core and
+  tests/unit_tests, isort on megatron/core), ``--check`` on every file the commit touches, in
+  full (two test functions without black's blank lines between them fail, wherever they are);
+  a file the formatter would rewrite is checked again as it was before the commit, and only the
+  rewrites the commit introduces count (a pinned black may already reformat upstream's own
+  code on older baselines).
 
 Tool versions are the ones upstream pins: black, isort and pylint from the checkout's
 ``pyproject.toml`` (dependency group ``linting``; main: black 26.3.0, isort 5.13.2, pylint
@@ -46,6 +49,9 @@ from .errors import UserError
 BLACK = ["black", "--diff", "-q", "-l", "100", "--skip-string-normalization",
          "--skip-magic-trailing-comma"]  # fmt: skip
 ISORT = ["isort", "--diff", "--profile", "black", "-l", "100", "-p", "megatron"]
+# Upstream's pre-commit `files:` of each formatter.
+BLACK_SCOPE = ("megatron/core/", "tests/unit_tests/")
+ISORT_SCOPE = ("megatron/core/",)
 
 # Upstream main's pins (pyproject.toml, dependency group `linting`), used without a checkout.
 DEFAULT_PINS = {"black": "26.3.0", "isort": "5.13.2", "pylint": "3.2.6"}
@@ -108,14 +114,6 @@ def new_files(patch_text: str) -> list[str]:
     return created
 
 
-def _offending(diff: str, ours: set[str]) -> list[str]:
-    # Blank lines are everybody's: a blank line black drops may be upstream's.
-    return [
-        ln[1:] for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")
-        if ln[1:].strip() and ln[1:] in ours
-    ]  # fmt: skip
-
-
 def _exe(name: str) -> str | None:
     """A tool beside this interpreter (its venv), else on PATH."""
     here = Path(sys.executable).parent / name
@@ -128,81 +126,230 @@ def _formatters(tools_bin: Path | None) -> tuple[list[str], list[str]]:
     return [str(tools_bin / "black"), *BLACK[1:]], [str(tools_bin / "isort"), *ISORT[1:]]
 
 
-def _ranges(numbers: set[int]) -> list[str]:
-    """Sorted line numbers as black's ``--line-ranges`` values (``a-b``, contiguous runs)."""
-    runs: list[list[int]] = []
-    for n in sorted(numbers):
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return [f"--line-ranges={a}-{b}" for a, b in runs]
+def in_scope(formatter: str, path: str) -> bool:
+    """Whether upstream's pre-commit runs `formatter` on `path` (.pre-commit-config.yaml)."""
+    if not path.endswith(".py"):
+        return False
+    return path.startswith(BLACK_SCOPE if formatter == "black" else ISORT_SCOPE)
 
 
-def lint(
-    tree: Path,
-    patch_texts: list[str],
-    tools_bin: Path | None = None,
-    only: str | None = None,
-    line_numbers: dict[str, set[int]] | None = None,
-) -> list[str]:
-    """black/isort problems in the lines the patches add to Python files of `tree` (empty: clean).
+@dataclass(frozen=True)
+class Hunk:
+    """One rewrite a formatter would make: a run of -/+ lines, where, and its neighbours."""
 
-    `only` limits to one formatter ("black" or "isort"); the rest as in `problems_by_formatter`.
+    line: int  # in the checked file
+    changed: tuple[str, ...]  # the run's -/+ lines
+    context: tuple[str, str]  # the nearest unchanged line before and after it
+
+    def describe(self) -> str:
+        removed = [ln[1:].strip() for ln in self.changed if ln.startswith("-") and ln[1:].strip()]
+        added = [ln[1:].strip() for ln in self.changed if ln.startswith("+")]
+        if removed:
+            return removed[0]
+        if all(not a for a in added):
+            return f"missing blank line(s) before `{self.context[1].strip() or 'end of file'}`"
+        return f"insert `{next(a for a in added if a)}`"
+
+
+_HUNK = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
+
+
+def _runs(lines: list[str], start: int) -> list[Hunk]:
+    """The change runs of one diff hunk (context lines split them)."""
+    runs: list[Hunk] = []
+    line, before, run, at = start, "", [], start
+    for i, ln in enumerate([*lines, " "]):
+        if ln[:1] in "+-":
+            if not run:
+                at = line
+            run.append(ln)
+            line += ln[:1] == "-"
+            continue
+        if run:
+            after = ln[1:] if i < len(lines) else ""
+            runs.append(Hunk(at, tuple(run), (before, after)))
+            run = []
+        before = ln[1:]
+        line += 1
+    return runs
+
+
+def parse_diff(text: str, paths: list[str]) -> dict[str, list[Hunk]]:
+    """A formatter's unified `--diff` output, per checked file (of `paths`): its change runs.
+
+    black names files as given (`--- x.py\t<time>`); isort by absolute path and `:before`.
     """
-    names = (only,) if only else FORMATTERS
-    found = problems_by_formatter(tree, patch_texts, tools_bin, names, line_numbers)
-    return [problem for name in names for problem in found[name]]
+    out: dict[str, list[Hunk]] = {}
+    current: list[Hunk] | None = None
+    lines: list[str] = []
+    start = 0
+
+    def flush() -> None:
+        if current is not None and lines:
+            current.extend(_runs(lines, start))
+
+    rows = text.splitlines()
+    i = 0
+    while i < len(rows):
+        row = rows[i]
+        if row.startswith("--- ") and i + 1 < len(rows) and rows[i + 1].startswith("+++ "):
+            flush()
+            lines = []
+            name = row[4:].split("\t")[0].removesuffix(":before").strip()
+            match = [p for p in paths if name == p or name.endswith("/" + p)]
+            current = out.setdefault(max(match, key=len), []) if match else None
+            i += 2
+            continue
+        m = _HUNK.match(row)
+        if m:
+            flush()
+            lines, start = [], int(m.group(1))
+        elif current is not None and row[:1] in " +-":
+            lines.append(row)
+        elif current is not None and row == "":
+            lines.append(" ")  # a context line that is empty
+        i += 1
+    flush()
+    return out
 
 
-def problems_by_formatter(
+def introduced(after: list[Hunk], before: list[Hunk]) -> list[Hunk]:
+    """The rewrites of `after` that `before` (the same file before the commit) does not need.
+
+    Matched as multisets: first run for run with its neighbours, then the leftovers by their
+    changed lines alone (an upstream problem next to a line the commit changed is upstream's).
+    """
+    pool = list(before)
+    left = _unmatched(after, pool, lambda h: (h.changed, h.context))
+    return _unmatched(left, pool, lambda h: h.changed)
+
+
+def _unmatched(hunks: list[Hunk], pool: list[Hunk], key) -> list[Hunk]:
+    """The hunks without a twin (same `key`) in `pool`; each twin found leaves the pool."""
+    alone: list[Hunk] = []
+    for h in hunks:
+        twin = next((b for b in pool if key(b) == key(h)), None)
+        if twin is None:
+            alone.append(h)
+        else:
+            pool.remove(twin)
+    return alone
+
+
+class Formatters:
+    """black and isort over many file versions, one process per formatter and batch.
+
+    A version is a key (a blob id, or any unique name) and its path and text; it is written to
+    <scratch>/<key>/<path> so that every run sees the same layout and settings (the tree's
+    isort settings, black's upstream flags), whatever commit the text comes from.
+    """
+
+    def __init__(self, tree: Path, scratch: Path, tools_bin: Path | None, names: tuple[str, ...]):
+        black, isort = _formatters(tools_bin)
+        config = scratch / "black.toml"
+        config.write_text("[tool.black]\n")
+        self.cmds = {
+            "black": [*black, "--config", str(config)],
+            "isort": [*isort, "--check-only", f"--settings-path={tree}"],
+        }
+        self.names, self.scratch = names, scratch
+        self.hunks: dict[str, dict[str, list[Hunk]]] = {n: {} for n in names}
+        self.failed: dict[str, str] = {}  # formatter -> why it did not run
+
+    def run(self, versions: dict[str, tuple[str, str]]) -> None:
+        """Check every version not checked yet (key -> (path, text))."""
+        todo: dict[str, list[str]] = {}
+        for name in self.names:
+            todo[name] = []
+            for key, (path, text) in versions.items():
+                if key in self.hunks[name] or not in_scope(name, path):
+                    continue
+                target = self.scratch / key / path
+                if not target.exists():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text(text, encoding="utf-8")
+                todo[name].append(f"{key}/{path}")
+        jobs = [n for n in self.names if todo[n] and n not in self.failed]
+        with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+            procs = list(pool.map(lambda n: subprocess.run([*self.cmds[n], *todo[n]],
+                     cwd=self.scratch, capture_output=True, text=True), jobs))  # fmt: skip
+        for name, proc in zip(jobs, procs, strict=True):
+            if proc.returncode not in (0, 1):
+                self.failed[name] = f"{name} failed: {proc.stderr.strip()[-300:]}"
+                continue
+            found = parse_diff(proc.stdout, todo[name])
+            for rel in todo[name]:
+                self.hunks[name][rel.partition("/")[0]] = found.get(rel, [])
+
+    def problems(self, name: str, path: str, after: str, before: str | None) -> list[str] | None:
+        """What `name` would rewrite in version `after` of `path` that version `before` (None:
+        the commit adds the file) does not need; None: `before` must be checked first."""
+        if name in self.failed:
+            return [self.failed[name]]
+        mine = self.hunks[name].get(after, [])
+        if mine and before is not None and before not in self.hunks[name]:
+            return None
+        old = self.hunks[name].get(before, []) if before is not None else []
+        return [f"{path}:{h.line}: {name} would rewrite: {h.describe()}"
+                for h in introduced(mine, old)]  # fmt: skip
+
+
+def formatter_problems(
     tree: Path,
-    patch_texts: list[str],
+    files: list[str],
+    before: dict[str, str | None],
     tools_bin: Path | None = None,
     names: tuple[str, ...] = FORMATTERS,
-    line_numbers: dict[str, set[int]] | None = None,
 ) -> dict[str, list[str]]:
-    """Per formatter of `names`, its problems in the lines the patches add (empty: clean).
-
-    `line_numbers` (per file, the lines the patches add in `tree`) lets black format just those
-    statements (``--line-ranges``): the same verdict on our lines, without formatting the rest
-    of a 3000-line upstream file. The formatters run side by side, one process per core.
+    """Per formatter of `names`, what it would rewrite in the touched `files` of `tree`, in full,
+    that it would not rewrite in the same file before the commit (`before`: path -> its text
+    there, None where the commit adds the file). Empty lists: clean.
     """
-    black, isort = _formatters(tools_bin)
-    ours: dict[str, set[str]] = {}
-    for text in patch_texts:
-        for path, lines in added_lines(text).items():
-            ours.setdefault(path, set()).update(lines)
-    problems: dict[str, list[str]] = {name: [] for name in names}
-    jobs: list[tuple[str, str, list[str], set[str]]] = []  # path, formatter, command, our lines
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "black.toml"
-        config.write_text("[tool.black]\n")
-        for path, lines in sorted(ours.items()):
-            if not path.endswith(".py") or not (tree / path).exists():
-                continue
-            ranges = _ranges((line_numbers or {}).get(path, set()))
-            tools = [("black", [*black, "--config", str(config), *ranges, path])]
-            if path.startswith("megatron/core/"):
-                tools.append(("isort", [*isort, path]))
-            jobs += [(path, name, cmd, lines) for name, cmd in tools if name in names]
-        # read-only runs on one tree: one process per core at a time, results in order
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            procs = pool.map(lambda job: _run(job[2], tree), jobs)
-            for (path, name, _, lines), proc in zip(jobs, procs, strict=True):
-                if proc.returncode not in (0, 1):
-                    problems[name].append(f"{path}: {name} failed: {proc.stderr.strip()}")
-                for line in _offending(proc.stdout, lines):
-                    problems[name].append(f"{path}: {name} would rewrite: {line.strip()}")
-    return problems
+    commits = [("after", {f: (tree / f).read_text(encoding="utf-8") for f in files
+                          if (tree / f).is_file()}, before)]  # fmt: skip
+    return batch_problems(tree, commits, tools_bin, names)[0]
 
 
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    if proc.returncode == 2 and "--line-ranges" in proc.stderr:  # a black before 23.11 (pins)
-        cmd = [a for a in cmd if not a.startswith("--line-ranges=")]
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    return proc
+def batch_problems(
+    tree: Path,
+    commits: list[tuple[str, dict[str, str], dict[str, str | None]]],
+    tools_bin: Path | None = None,
+    names: tuple[str, ...] = FORMATTERS,
+) -> list[dict[str, list[str]]]:
+    """`formatter_problems` of many commits at once: per commit (a name, path -> text after,
+    path -> text before or None), per formatter, its problems.
+
+    Versions are keyed by content, so a file's text before commit k that is its text after
+    commit k-1 is checked once; each formatter runs twice at most (the versions after the
+    commits, then the versions before of the files it would rewrite), so a series of many
+    commits costs two black and two isort processes, not four per commit.
+    """
+
+    def key(text: str) -> str:
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    with tempfile.TemporaryDirectory(prefix="mcore-fixes-fmt-") as tmp:
+        fmt = Formatters(tree, Path(tmp), tools_bin, names)
+        fmt.run({key(t): (p, t) for _, after, _ in commits for p, t in after.items()})
+        need: dict[str, tuple[str, str]] = {}
+        for _, after, before in commits:
+            for p, t in after.items():
+                old = before.get(p)
+                for name in names:
+                    if old is not None and fmt.problems(name, p, key(t), key(old)) is None:
+                        need[key(old)] = (p, old)
+        fmt.run(need)
+        out = []
+        for _, after, before in commits:
+            per: dict[str, list[str]] = {name: [] for name in names}
+            for p, t in sorted(after.items()):
+                old = before.get(p)
+                for name in names:
+                    per[name] += (
+                        fmt.problems(name, p, key(t), None if old is None else key(old)) or []
+                    )
+            out.append(per)
+        return out
 
 
 def copyright_problems(tree: Path, patch_text: str) -> list[str]:
@@ -393,8 +540,13 @@ def check_commit(
     up: Upstream | None,
     python: str | None,
     why_skipped: str,
+    formatted: dict[str, list[str]] | None = None,
 ) -> list[Result]:
-    """Every check of CHECKS for one commit of the tree repository (checked out here)."""
+    """Every check of CHECKS for one commit of the tree repository (checked out here).
+
+    `formatted`: the formatters' problems of this commit, where `batch_problems` had them for
+    the whole series; else they run here.
+    """
     git.run(tree, "checkout", "-q", "-f", commit)
     files = git.out(tree, "diff", "--name-only", "--diff-filter=d", parent, commit).splitlines()
     tools_bin = Path(python).parent if python else None
@@ -417,20 +569,32 @@ def check_commit(
     exes = {name: (tools_bin / name) if tools_bin else _exe(name) for name in FORMATTERS}
     have = [name for name, exe in exes.items() if exe is not None and Path(exe).exists()]
     found: dict[str, list[str]] = {}
-    if have:  # both formatters in one go (they run side by side)
-        numbers = added_line_numbers(git.out(tree, "diff", "-U0", parent, commit))
-        found = problems_by_formatter(tree, [patch_text], tools_bin, tuple(have), numbers)
+    if formatted is not None:
+        found = formatted
+    elif have:  # both formatters in one go (they run side by side), each over every touched file
+        found = batch_problems(tree, [_versions_of(tree, parent, commit, files)], tools_bin,
+                               tuple(have))[0]  # fmt: skip
     for name in FORMATTERS:
         if name not in have:
             results.append(Result(name, "skipped", f"{name} is not on PATH"))
             continue
         problems = found[name]
+        n_files = len([f for f in files if in_scope(name, f)])
         results.append(
-            Result(name, "FAIL", f"{len(problems)} line(s)", tuple(problems))
+            Result(name, "FAIL", f"{len(problems)} rewrite(s)", tuple(problems))
             if problems
-            else Result(name, "ok")
+            else Result(name, "ok", f"{n_files} file(s) in full")
         )
     return results
+
+
+def _versions_of(
+    tree: Path, parent: str, commit: str, files: list[str]
+) -> tuple[str, dict[str, str], dict[str, str | None]]:
+    """A commit's touched Python files in any formatter's scope: (commit, after, before)."""
+    mine = [f for f in files if any(in_scope(n, f) for n in FORMATTERS)]
+    after = {f: t for f in mine if (t := _show(tree, commit, f)) is not None}
+    return commit, after, {f: _show(tree, parent, f) for f in after}
 
 
 def versions_line(python: str | None, up: Upstream | None) -> str:
@@ -477,20 +641,41 @@ def lint_patches(
     mcore_repo: Path | None,
     tools_python: str | None,
     say=print,
+    python_tests: str | None = None,
 ) -> int:
     """`lint-patches`: one line per commit and check; returns the exit status (1: a check failed).
 
     `tree_or_skip(b)` gives the pristine tree repository of baseline `b`, or why it is skipped.
+    Besides upstream's checks per commit: the series as stacked (mcore_fixes/stack.py: `index`,
+    `export`) and each commit alone (`alone`, `collect` with `python_tests`, an interpreter
+    with torch and pytest; None: the one running the tool, where it has them).
     """
+    from . import stack  # noqa: PLC0415
     from .series import APPLIES, CONFLICT, MISSING, apply_series, read_patch  # noqa: PLC0415
 
     failed = 0
     python: str | None = None
+    tests_python = python_tests or sys.executable
+    no_collect = stack.can_collect(tests_python)
     with tempfile.TemporaryDirectory(prefix="mcore-fixes-lint-") as scratch:
         for b in baselines:
             tree = tree_or_skip(b)
             if isinstance(tree, str):
-                say(f"{b.name}: skipped: {tree}")
+                # without its tree, what the patch files alone tell: the blob chain
+                series = stack.effective_series(manifest, b, None)
+                texts = [(pid, read_patch(path)) for pid, path in series]
+                owned = stack.owned_ids(manifest, b)
+                chain = stack.blob_chain(texts, None, with_tests=b.is_git, owned=owned)
+                bad = {pid: found for pid, found in chain.items() if found}
+                for pid, found in bad.items():
+                    say(f"{b.name}  {pid:<26} {'index':<9} FAIL  {found[0]}")
+                    for problem in found[1:]:
+                        say(f"    {problem}")
+                failed += len(bad)
+                say(
+                    f"{b.name}: skipped: {tree}; index chain of its {len(series)} patch file(s): "
+                    f"{len(bad)} failed"
+                )
                 continue
             up: Upstream | None = None
             if mcore_repo is None:
@@ -507,7 +692,9 @@ def lint_patches(
             say(f"{b.name}: tools: {versions_line(python if up else None, up)}")
             if why:
                 say(f"{b.name}: skipped api, pylint: {why}")
-            n_fail = n_skip = n_commits = 0
+            extra = _stack_results(tree, manifest, b, cells, tests_python, no_collect)
+            formatted = _format_series(tree, cells, python if up else None)
+            n_fail = n_skip = n_checks = n_commits = 0
             for cell in cells:
                 if cell.state != APPLIES:
                     # with a checkout the question is "ready for upstream?": it must apply;
@@ -521,9 +708,12 @@ def lint_patches(
                 n_commits += 1
                 text = read_patch(manifest.root / cell.file)
                 parent = git.out(tree, "rev-parse", f"{cell.commit}^")
-                for r in check_commit(tree, parent, cell.commit, text, up, python if up else None,
-                                      why):  # fmt: skip
-                    if r.state == "skipped" and why:
+                results = check_commit(tree, parent, cell.commit, text, up,
+                                       python if up else None, why,
+                                       formatted.get(cell.patch))  # fmt: skip
+                for r in [*results, *extra.get(cell.patch, [])]:
+                    n_checks += 1
+                    if r.state == "skipped" and why and r.check in ("api", "pylint"):
                         n_skip += 1
                         continue  # said once per baseline above
                     n_fail += r.state == "FAIL"
@@ -535,10 +725,91 @@ def lint_patches(
             git.run(tree, "checkout", "-q", "-f", cells and _last(cells) or "pristine")
             failed += n_fail
             say(
-                f"{b.name}: {n_commits} commit(s) x {len(CHECKS)} checks: "
+                f"{b.name}: {n_commits} commit(s), {n_checks} checks: "
                 f"{n_fail} failed, {n_skip} skipped"
             )
     return 1 if failed else 0
+
+
+def _format_series(tree: Path, cells: list, python: str | None) -> dict[str, dict[str, list[str]]]:
+    """black/isort problems of every applied commit, in one batch (see `batch_problems`)."""
+    tools_bin = Path(python).parent if python else None
+    exes = {name: (tools_bin / name) if tools_bin else _exe(name) for name in FORMATTERS}
+    have = tuple(n for n, exe in exes.items() if exe is not None and Path(exe).exists())
+    applied = [c for c in cells if c.commit]
+    if not have or not applied:
+        return {}
+    commits = []
+    for c in applied:
+        parent = git.out(tree, "rev-parse", f"{c.commit}^")
+        files = git.out(tree, "diff", "--name-only", "--diff-filter=d", parent, c.commit)
+        commits.append(_versions_of(tree, parent, c.commit, files.splitlines()))
+    found = batch_problems(tree, commits, tools_bin, have)
+    return {c.patch: per for c, per in zip(applied, found, strict=True)}
+
+
+def _stack_results(
+    tree: Path, manifest, b, cells: list, tests_python: str, no_collect: str
+) -> dict[str, list[Result]]:
+    """Per applied patch: `index`, `export`, `alone` and `collect` (mcore_fixes/stack.py)."""
+    from . import stack  # noqa: PLC0415
+    from .series import has_upstream_tests, read_patch  # noqa: PLC0415
+
+    out: dict[str, list[Result]] = {}
+    series = stack.effective_series(manifest, b, cells)
+    texts = [(pid, read_patch(path)) for pid, path in series]
+    owned = stack.owned_ids(manifest, b)
+    blobs = stack.stack_blobs(tree, cells)
+    chain = stack.blob_chain(texts, None, b.is_git, owned, blobs)
+    drift = stack.export_drift(tree, manifest, b, cells)
+    by_id = {c.patch: c for c in cells}
+    with_tests = has_upstream_tests(tree)
+    ours = {f for _, text in texts for f in git.touched_paths(text)}
+    for pid, _ in series:
+        found = chain.get(pid, [])
+        cell = by_id[pid]
+        rows = [
+            Result("index", "FAIL", f"{len(found)} file(s)", tuple(found))
+            if found
+            else Result("index", "ok", "pre-images are what the stack before it leaves")
+            if pid in owned
+            else Result("index", "skipped", f"not {b.name}'s file (targets {manifest.canonical})")
+        ]
+        if pid in drift:
+            rows.append(Result("export", "FAIL", drift[pid]))
+        elif cell.excluded or not stack.owned(manifest, b, cell):
+            why = "its tests are not in this tree" if cell.excluded else f"not {b.name}'s file"
+            rows.append(Result("export", "skipped", why))
+        else:
+            rows.append(Result("export", "ok", "no edits: byte-identical"))
+        out[pid] = rows
+    collects: list[tuple[str, list[str], str]] = []  # patch, test files, its tree object
+    for a in stack.alone(tree, manifest, cells):
+        out[a.patch].append(Result("alone", a.state, a.detail))
+        if a.state != "ok":
+            continue
+        touched = git.touched_paths(read_patch(manifest.root / by_id[a.patch].file))
+        unbound = stack.names_problems(tree, a.base, a.tree, touched)
+        n_py = len([f for f in touched if f.endswith(".py")])
+        out[a.patch].append(
+            Result("names", "FAIL", f"{len(unbound)} file(s)", tuple(unbound))
+            if unbound
+            else Result("names", "ok", f"{n_py} file(s) compile, no unbound global name")
+        )
+        tests = stack.patch_tests(manifest, by_id[a.patch]) if with_tests else []
+        if not tests:
+            continue
+        if no_collect:
+            out[a.patch].append(Result("collect", "skipped", no_collect))
+            continue
+        collects.append((a.patch, tests, a.tree))
+    # one interpreter per patch (torch + megatron imports): side by side, one per core
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        done = pool.map(lambda c: stack.collect(tree, c[2], c[1], tests_python, ours), collects)
+        for (patch, _, _), (ok, detail) in zip(collects, done, strict=True):
+            state = "skipped" if ok is None else "ok" if ok else "FAIL"
+            out[patch].append(Result("collect", state, detail))
+    return out
 
 
 def _last(cells) -> str:

@@ -13,6 +13,7 @@ from .errors import UserError
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 PYTHON_RE = re.compile(r"^3\.\d+$")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+ABBREV_RE = re.compile(r"^[0-9a-f]{7,40}$")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class Patch:
     fix: int  # several patches may share one fix number (one upstream PR, several commits)
     requires: tuple[str, ...] = ()
     proof: str = ""  # our CPU proof, relative to the project root (tests/proofs/...)
+    # the upstream commit that is this patch in the PR for the canonical baseline (`upstream`
+    # cherry-picks it with -x in place of the patch); "" = the patch is our own commit
+    upstream_commit: str = ""
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,15 @@ def _proof_file(value: object) -> str:
     return value
 
 
+def _upstream_commit(value: object) -> str:
+    """A Megatron-LM commit id (7 to 40 hex digits), or "" where not given."""
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str) or not ABBREV_RE.match(value):
+        raise ValueError(f"upstream-commit {value!r} must be a commit id (7 to 40 hex digits)")
+    return value
+
+
 def load(path: Path) -> Manifest:
     """Parse and validate a manifest; every problem is a UserError naming the entry."""
     try:
@@ -157,6 +170,7 @@ def load(path: Path) -> Manifest:
                 fix=int(entry["fix"]),
                 requires=tuple(_str_list(entry.get("requires", []))),
                 proof=_proof_file(entry.get("proof")),
+                upstream_commit=_upstream_commit(entry.get("upstream-commit")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path}: [[patch]] entry {entry!r} is incomplete ({exc})") from None

@@ -251,19 +251,23 @@ def prove_baseline(
     progress: Progress,
     runs: Runs | None = None,
     changed: bool = False,
+    alone: bool = False,
 ) -> list[Cell]:
     """Prove every applicable patch of `b` (or those in `only`); results go to build/proofs/.
 
     `changed`: keep the stored proofs that still hold (same pin, diffs and proof code) and
-    prove only the others.
+    prove only the others. `alone`: each commit stands alone: the proof fails on the pristine
+    tree plus only the patch's declared requires and passes with the patch added (a patch that
+    does not apply there is `not-alone`); stored apart (build/proofs/<baseline>.alone.json).
     """
     check_python(python)
     runs = runs if runs is not None else Runs()
     cells = apply_series(tree, manifest, b)
     head = git.out(tree, "rev-parse", "HEAD")
-    store = load_proofs(root, b.name)
+    store = {} if alone else load_proofs(root, b.name)
     keys = proof_keys(manifest, cells)
-    if changed:
+    states = _alone_states(tree, manifest, cells) if alone else {}
+    if changed and not alone:
         attach_proofs(root, manifest, b, cells)
         held = {c.patch for c in cells if c.proof}
         only = [c.patch for c in cells if c.patch not in held and (not only or c.patch in only)]
@@ -294,12 +298,15 @@ def prove_baseline(
         if not proof.is_file():
             cell.proof = {"verdict": "no-proof-file", "tests": [_rel(root, proof)]}
             continue
-        parent = git.out(tree, "rev-parse", f"{cell.commit}^")
-        for state in (parent, cell.commit):
+        if alone and isinstance(states[cell.patch], str):
+            cell.proof = {"verdict": "not-alone", "detail": states[cell.patch]}
+            continue
+        parent, commit = states[cell.patch] if alone else (_parent(tree, cell), cell.commit)
+        for state in (parent, commit):
             files = plan.setdefault(state, [])
             if str(proof) not in files:
                 files.append(str(proof))
-        ours.append((cell, str(proof), parent, cell.commit))
+        ours.append((cell, str(proof), parent, commit))
 
     results: dict[tuple[str, str], dict] = {}
     for state, files in plan.items():
@@ -327,12 +334,15 @@ def prove_baseline(
         tests = test_files(read_patch(path))
         if not tests or cell.excluded:  # no test, or its tests edit files this tree lacks
             cell.proof = {"verdict": "no-test"}
+        elif alone and isinstance(states[cell.patch], str):
+            cell.proof = {"verdict": "not-alone", "detail": states[cell.patch]}
         else:
-            _checkout(tree, f"{cell.commit}^")
+            parent, commit = states[cell.patch] if alone else (_parent(tree, cell), cell.commit)
+            _checkout(tree, parent)
             git.run(tree, "apply", "--include=tests/*", str(path))
             progress.step(f"{b.name} {cell.patch}: tests without the fix")
             before = run_tests(tree, tests, python)
-            _checkout(tree, cell.commit)
+            _checkout(tree, commit)
             progress.step(f"{b.name} {cell.patch}: tests with the fix")
             after = run_tests(tree, tests, python)
             with runs.lock:
@@ -344,10 +354,32 @@ def prove_baseline(
             cell.proof |= {"key": keys.get(cell.patch, ""), "pin": b.pin}
             store[cell.patch] = cell.proof
     _checkout(tree, head)
-    out = root / PROOFS_DIR / f"{b.name}.json"
+    out = root / PROOFS_DIR / f"{b.name}{'.alone' if alone else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(store, indent=1) + "\n")
     return cells
+
+
+def _parent(tree: Path, cell: Cell) -> str:
+    return git.out(tree, "rev-parse", f"{cell.commit}^")
+
+
+def _alone_states(tree: Path, manifest: Manifest, cells: list[Cell]) -> dict[str, tuple | str]:
+    """Per applied patch: (commit of pristine + its requires, that + the patch), made in the
+    tree repository from mcore_fixes.stack's trees; or why it does not stand alone."""
+    from .stack import alone  # noqa: PLC0415
+
+    states: dict[str, tuple | str] = {}
+    for a in alone(tree, manifest, cells):
+        if a.state != "ok":
+            states[a.patch] = a.detail
+            continue
+        env = git.TOOL_IDENTITY
+        pristine = git.out(tree, "rev-parse", "pristine")
+        base = git.out(tree, "commit-tree", a.base, "-p", pristine, "-m", "requires", env=env)
+        after = git.out(tree, "commit-tree", a.tree, "-p", base, "-m", a.patch, env=env)
+        states[a.patch] = (base, after)
+    return states
 
 
 def _rel(root: Path, path: Path) -> str:

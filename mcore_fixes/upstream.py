@@ -19,6 +19,7 @@ recorded one) is never overwritten, nor a branch checked out in a work tree. Not
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import tempfile
@@ -174,11 +175,17 @@ def pr_description(
     tests: list[str],
     baselines: list[str],
     depends: str | None,
+    picked: str = "",
 ) -> str:
-    """Upstream's PR template, filled in: overview, linked issue, what was tested, where."""
+    """Upstream's PR template, filled in: overview, linked issue, what was tested, where.
+
+    `picked`: what the branch takes from upstream's own commits (cherry-picked), said first.
+    """
     parts = [
         messages[0].subject if len(messages) == 1 else f"Fix {fix}, in {len(messages)} commits"
     ]
+    if picked:
+        parts.append(picked)
     if depends:
         parts.append(f"Depends on the PR(s) of branch `{depends}` (their commits come first here).")
     if len(messages) > 1:
@@ -215,6 +222,120 @@ def pr_description(
     return f"<!-- mcore-fixes fix {fix}: draft PR description; review every line -->\n{text}"
 
 
+# --- upstream's own commit, cherry-picked -----------------------------------------------------
+
+_CONFLICT = re.compile(
+    r"^<<<<<<< [^\n]*\n(?P<ours>.*?)(?:^\|\|\|\|\|\|\| [^\n]*\n.*?)?^=======\n(?P<theirs>.*?)"
+    r"^>>>>>>> [^\n]*\n",
+    re.S | re.M,
+)
+LINE_LENGTH = 100  # upstream's black and isort
+
+
+def _name_key(alias: ast.alias) -> tuple[int, str]:
+    # isort's order_by_type (profile black): CONSTANTS, Classes, functions
+    name = alias.name
+    kind = 0 if name.isupper() and len(name) > 1 else 1 if name[:1].isupper() else 2
+    return kind, name
+
+
+def _alias(a: ast.alias) -> str:
+    return f"{a.name} as {a.asname}" if a.asname else a.name
+
+
+def merge_imports(ours: str, theirs: str) -> str | None:
+    """One side of a conflict each, both nothing but import statements: every import of both,
+    one statement per module, sorted and wrapped as isort (profile black, line 100) writes
+    them; None where either side holds anything else (then no text resolution is safe)."""
+    try:
+        sides = [ast.parse(ours), ast.parse(theirs)]
+    except SyntaxError:
+        return None
+    plain: list[str] = []
+    froms: dict[tuple[int, str], dict[str, ast.alias]] = {}
+    for tree in sides:
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                plain += [_alias(a) for a in node.names if _alias(a) not in plain]
+            elif isinstance(node, ast.ImportFrom):
+                names = froms.setdefault((node.level, node.module or ""), {})
+                for a in node.names:
+                    names.setdefault(_alias(a), a)
+            else:
+                return None
+    lines = [f"import {name}" for name in sorted(plain, key=str.lower)]
+    for (level, module), names in sorted(froms.items(), key=lambda kv: kv[0][1].lower()):
+        listed = [_alias(a) for a in sorted(names.values(), key=_name_key)]
+        head = f"from {'.' * level}{module} import "
+        one = head + ", ".join(listed)
+        if len(one) <= LINE_LENGTH:
+            lines.append(one)
+        else:
+            lines.append(head + "(\n" + "".join(f"    {n},\n" for n in listed) + ")")
+    lead = ours[: len(ours) - len(ours.lstrip("\n"))]
+    trail = ours[len(ours.rstrip("\n")) + 1 :] if ours.strip() else ""
+    return lead + "\n".join(lines) + "\n" + trail
+
+
+def resolve_imports(text: str) -> str | None:
+    """`text` with every conflict block resolved by `merge_imports`; None if one cannot be."""
+    failed = False
+
+    def one(m: re.Match[str]) -> str:
+        nonlocal failed
+        merged = merge_imports(m.group("ours"), m.group("theirs"))
+        failed = failed or merged is None
+        return merged or ""
+
+    resolved = _CONFLICT.sub(one, text)
+    if failed or "<<<<<<< " in resolved:
+        return None
+    return resolved
+
+
+def _cherry_pick(
+    scratch: Path, sha: str, ids: list[str], env: dict[str, str], who: Identity, tmp: str
+) -> str:
+    """`git cherry-pick -x` of upstream's `sha` onto HEAD, author and message kept, the runner's
+    sign-off added; import-only conflicts resolved (both sides' imports, isort's layout) and
+    listed in a "Conflicts:" note as upstream's cherry-picks do. '' when made, else why not
+    (HEAD back where it was)."""
+    head = git.out(scratch, "rev-parse", "HEAD")
+    proc = git.run(scratch, "cherry-pick", "-x", "-s", sha, check=False, env=env)
+    if proc.returncode == 0:
+        return ""
+    conflicted = git.out(scratch, "diff", "--name-only", "--diff-filter=U").splitlines()
+    resolved: dict[str, str] = {}
+    for rel in conflicted:
+        text = resolve_imports((scratch / rel).read_text(encoding="utf-8"))
+        if text is None:
+            git.run(scratch, "cherry-pick", "--abort", check=False)
+            git.run(scratch, "reset", "-q", "--hard", head)
+            return f"it conflicts with the base beyond import lines in {rel}"
+        resolved[rel] = text
+    if not conflicted:  # failed for another reason (empty: already in the base, ...)
+        git.run(scratch, "cherry-pick", "--abort", check=False)
+        git.run(scratch, "reset", "-q", "--hard", head)
+        return (proc.stderr.strip().splitlines() or ["git cherry-pick failed"])[0]
+    for rel, text in resolved.items():
+        (scratch / rel).write_text(text, encoding="utf-8")
+    git.run(scratch, "add", "--", *resolved)
+    original = git.out(scratch, "log", "-1", "--format=%B", sha)
+    notes = "".join(
+        f"\t{rel} (import block: the base's and the commit's imports, merged per module)\n"
+        for rel in resolved
+    )
+    message = (
+        f"{original}\n(cherry picked from commit {git.out(scratch, 'rev-parse', sha)})\n\n"
+        f"Conflicts:\n{notes}\n{who.signoff}\n"
+    )
+    msg_file = Path(tmp) / f"cherry-pick-{sha[:12]}.msg"
+    msg_file.write_text(message)
+    # `git commit` after a stopped cherry-pick keeps the picked commit's author
+    git.run(scratch, "commit", "-q", "--no-verify", "-F", str(msg_file), env=env)
+    return ""
+
+
 # --- branches --------------------------------------------------------------------------------
 
 
@@ -225,6 +346,18 @@ class Plan:
     patches: list[Patch]
     on: int | None  # the fix whose branch this one is built on
     stacked: list[int] = field(default_factory=list)  # conflicts without these fixes' commits
+    picked: list[tuple[str, list[str]]] = field(default_factory=list)  # upstream sha, patch ids
+    notes: list[str] = field(default_factory=list)  # said to the user after the build
+    n_commits: int = 0  # the fix's own commits on the branch
+
+
+def upstream_commits(p: Plan) -> list[tuple[str, list[str]]]:
+    """The fix's `upstream-commit`s in series order, each with the patches it stands for."""
+    found: dict[str, list[str]] = {}
+    for q in p.patches:
+        if q.upstream_commit:
+            found.setdefault(q.upstream_commit, []).append(q.id)
+    return list(found.items())
 
 
 def plan(m: Manifest, only: list[int] | None) -> list[Plan]:
@@ -360,6 +493,7 @@ def export(
 
         for p in plans:
             tip_of(p)
+
         files = []
         for p in plans:
             git.run(scratch, "branch", "-f", p.branch, tips[p.fix])
@@ -368,15 +502,21 @@ def export(
         out_dir = root / "build" / "upstream"
         out_dir.mkdir(parents=True, exist_ok=True)
         for p in plans:
+            for note in p.notes:
+                say(f"{p.branch}: {note}")
+            picked = {i for _, ids in p.picked for i in ids}
             texts = [read_patch(m.patch_file(b, q)) for q in p.patches if m.patch_file(b, q)]
-            messages = [parse_message(t) for t in texts]
+            messages = [_upstream_msg(scratch, sha) for sha, _ in p.picked]
+            messages += [parse_message(read_patch(f)) for q in p.patches
+                         if q.id not in picked and (f := m.patch_file(b, q))]  # fmt: skip
             tests = sorted({f for t in texts for f in test_files(t)})
             depends = all_plans[p.on].branch if p.on else None
             if p.stacked:
                 depends = ", ".join(f"`{all_plans[f].branch}`" for f in p.stacked).strip("`")
             desc = pr_description(
-                tmpl, p.fix, messages, tests, proven_on(root, m, p.patches), depends
-            )
+                tmpl, p.fix, messages, tests, proven_on(root, m, p.patches), depends,
+                _picked_note(scratch, m, p),
+            )  # fmt: skip
             git.run(checkout, "config", f"branch.{p.branch}.description", desc)
             git.run(checkout, "config", f"branch.{p.branch}.{RECORD_KEY}", tips[p.fix])
             path = out_dir / (p.branch.replace("/", "-") + ".md")
@@ -384,12 +524,47 @@ def export(
             files.append(path)
             made.append((p.branch, tips[p.fix], path))
             base_note = f"on {all_plans[p.on].branch}" if p.on else f"on {base_commit[:10]}"
-            n = len(p.patches)
+            n = p.n_commits
             say(
                 f"{p.branch}: {n} commit(s) {base_note}, tip {tips[p.fix][:10]}; description {path}"
             )
     say(f"author and Signed-off-by: {who.name} <{who.email}>; nothing was pushed")
     return made
+
+
+def _upstream_msg(scratch: Path, sha: str) -> Message:
+    lines = git.out(scratch, "log", "-1", "--format=%B", sha).splitlines()
+    return parse_message(f"Subject: {lines[0]}\n\n" + "\n".join(lines[1:]).strip("\n") + "\n")
+
+
+def _picked_note(scratch: Path, m: Manifest, p: Plan) -> str:
+    """The description's word on upstream's commits at the start of the branch."""
+    if not p.picked:
+        return ""
+    lines = []
+    for sha, ids in p.picked:
+        author = git.out(scratch, "log", "-1", "--format=%an <%ae>", sha)
+        subject = git.out(scratch, "log", "-1", "--format=%s", sha)
+        lines.append(
+            f"The first commit is upstream's own fix, `git cherry-pick -x {sha[:10]}` "
+            f"({subject}; author {author}, kept), in place of our "
+            f"{', '.join(f'`{i}`' for i in ids)}; our commits follow as separate commits."
+        )
+        on_it = [q for q in p.patches if q.id not in ids and set(q.requires) & set(ids)]
+        # branches that already have the commit (the manifest: fixed-upstream there)
+        having = [b.name for b in m.baselines.values() if set(ids) <= set(b.fixed_upstream)]
+        for q in on_it:
+            path = m.patch_file(m.baseline(m.canonical), q)
+            subj = parse_message(read_patch(path)).subject if path and path.exists() else q.id
+            also = [n for n in having if q.id not in m.baseline(n).absent]
+            where = (
+                f" On {', '.join(also)}, which already has {sha[:10]}, it closes what that "
+                "commit leaves open there too (the series carries it there)."
+                if also
+                else ""
+            )
+            lines.append(f'"{subj}" builds on it and closes what it leaves open.{where}')
+    return "\n\n".join(lines)
 
 
 def _linear(scratch: Path, m: Manifest, b: Baseline, base: str) -> dict[str, str]:
@@ -424,10 +599,34 @@ def _build(
     linear: dict[str, str],
     tmp: str,
 ) -> str:
-    """The fix's commits on `start` (cherry-picked from the linear series); return the tip."""
+    """The fix's commits on `start`; return the tip.
+
+    First upstream's own commits where the manifest names one (`upstream-commit`, found in the
+    checkout and cherry-picked with -x) in place of the patches they stand for, then the other
+    patches, cherry-picked from the linear series (3-way: they apply on upstream's version of
+    the code too, with the blobs they were made on).
+    """
     git.run(scratch, "checkout", "-q", "-f", "--detach", start)
+    p.picked, p.notes, p.n_commits = [], [], 0
+    replaced: set[str] = set()
+    for sha, ids in upstream_commits(p):
+        named = f"upstream commit {sha[:10]} ({', '.join(ids)})"
+        full = git.run(scratch, "rev-parse", "-q", "--verify", f"{sha}^{{commit}}", check=False)
+        if full.returncode != 0:
+            p.notes.append(f"the checkout lacks {named}: built from our patches")
+            continue
+        if git.ok(scratch, "merge-base", "--is-ancestor", full.stdout.strip(), "HEAD"):
+            p.notes.append(f"{named} is already in the base: its patches are left out")
+            replaced.update(ids)
+            continue
+        why = _cherry_pick(scratch, full.stdout.strip(), ids, env, who, tmp)
+        if why:
+            p.notes.append(f"{named} not cherry-picked ({why}): built from our patches")
+            continue
+        p.picked.append((full.stdout.strip(), ids))
+        replaced.update(ids)
     for q in p.patches:
-        if q.id not in linear:
+        if q.id not in linear or q.id in replaced:
             continue
         proc = git.run(scratch, "cherry-pick", "--no-commit", linear[q.id], check=False, env=env)
         if proc.returncode != 0:
@@ -440,4 +639,6 @@ def _build(
         msg_file = Path(tmp) / f"{q.id}.msg"
         msg_file.write_text(upstream_message(parse_message(text), who))
         git.run(scratch, "commit", "-q", "--no-verify", "-F", str(msg_file), env=env)
+        p.n_commits += 1
+    p.n_commits += len(p.picked)
     return git.out(scratch, "rev-parse", "HEAD")

@@ -1,4 +1,4 @@
-"""lint-patches judges only the lines a patch adds, with upstream's black settings."""
+"""lint-patches: upstream's checks per commit; formatters judge whole files, commit vs parent."""
 
 from __future__ import annotations
 
@@ -25,48 +25,64 @@ def test_added_lines_per_file() -> None:
     assert lint.added_lines(PATCH) == {"megatron/core/x.py": {"value = {'a':1}"}}
 
 
-@pytest.mark.skipif(shutil.which("black") is None, reason="needs black on PATH")
-def test_flags_only_the_patch_lines(tmp_path: Path) -> None:
-    target = tmp_path / "megatron" / "core" / "x.py"
-    target.parent.mkdir(parents=True)
-    target.write_text("def upstream( a ):\n    return a\nvalue = {'a':1}\n")
-    problems = [p for p in lint.lint(tmp_path, [PATCH]) if "black" in p]
-    # upstream's own `def upstream( a ):` is not ours to judge; our line is flagged
-    assert problems == ["megatron/core/x.py: black would rewrite: value = {'a':1}"]
-    target.write_text("def upstream( a ):\n    return a\n\n\nvalue = {'a': 1}\n")
-    clean = PATCH.replace("+value = {'a':1}", "+value = {'a': 1}")
-    assert [p for p in lint.lint(tmp_path, [clean]) if "black" in p] == []
+UPSTREAM = "def upstream( a ):\n    return a\n\n\ndef other():\n    return 1\n"
+needs_black = pytest.mark.skipif(shutil.which("black") is None, reason="needs black on PATH")
 
 
-@pytest.mark.skipif(shutil.which("black") is None, reason="needs black on PATH")
-def test_line_ranges_give_the_same_verdict(tmp_path: Path) -> None:
-    target = tmp_path / "megatron" / "core" / "x.py"
-    target.parent.mkdir(parents=True)
-    target.write_text("def upstream( a ):\n    return a\nvalue = {'a':1}\n")
-    numbers = lint.added_line_numbers(PATCH.replace("@@ -1,2 +1,3 @@", "@@ -2,0 +3 @@"))
-    assert numbers == {"megatron/core/x.py": {3}}
-    problems = lint.lint(tmp_path, [PATCH], only="black", line_numbers=numbers)
-    assert problems == ["megatron/core/x.py: black would rewrite: value = {'a':1}"]
-    assert lint._ranges({3, 4, 5, 9}) == ["--line-ranges=3-5", "--line-ranges=9-9"]
+def _tree(tmp_path: Path, text: str, rel: str = "megatron/core/x.py") -> Path:
+    target = tmp_path / "tree" / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    return tmp_path / "tree"
 
 
-@pytest.mark.skipif(shutil.which("black") is None, reason="needs black on PATH")
-def test_black_without_line_ranges_formats_the_whole_file(tmp_path: Path) -> None:
-    # A checkout may pin a black before 23.11 (no --line-ranges): same verdict, whole file.
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    old_black = tools / "black"
-    old_black.write_text(
-        "#!/bin/sh\nfor a; do case $a in --line-ranges*) echo \"No such option '--line-ranges'\""
-        f' >&2; exit 2;; esac; done\nexec {shutil.which("black")} "$@"\n'
+@needs_black
+def test_only_what_the_commit_introduces_counts(tmp_path: Path) -> None:
+    # upstream's own `def upstream( a ):` fails the pinned black before and after: not ours
+    tree = _tree(tmp_path, UPSTREAM + "value = {'a':1}\n")
+    before = {"megatron/core/x.py": UPSTREAM}
+    found = lint.formatter_problems(tree, ["megatron/core/x.py"], before, names=("black",))
+    assert found == {"black": ["megatron/core/x.py:7: black would rewrite: value = {'a':1}"]}
+    tree = _tree(tmp_path, UPSTREAM + "\n\nvalue = {'a': 1}\n")
+    assert lint.formatter_problems(tree, ["megatron/core/x.py"], before, names=("black",)) == {
+        "black": []
+    }
+
+
+@needs_black
+def test_the_whole_file_is_checked(tmp_path: Path) -> None:
+    # a new test function right after the previous one: no changed line is badly formatted,
+    # black inserts two blank lines (a line-range check of the added lines misses it)
+    rel = "tests/unit_tests/test_x.py"
+    old = "def test_a():\n    assert True\n"
+    tree = _tree(tmp_path, old + "def test_b():\n    assert True\n", rel)
+    found = lint.formatter_problems(tree, [rel], {rel: old}, names=("black",))
+    assert found == {
+        "black": [f"{rel}:3: black would rewrite: missing blank line(s) before `def test_b():`"]
+    }
+    # a file the commit adds: every rewrite is the commit's
+    found = lint.formatter_problems(tree, [rel], {rel: None}, names=("black",))
+    assert len(found["black"]) == 1
+    # outside upstream's pre-commit scope (megatron/training is not black-checked upstream)
+    assert not lint.in_scope("black", "megatron/training/x.py")
+    assert not lint.in_scope("isort", "tests/unit_tests/test_x.py")
+
+
+def test_formatter_diffs_are_matched_as_multisets() -> None:
+    diff = (
+        "--- /t/megatron/core/x.py:before\t2026\n+++ /t/megatron/core/x.py:after\t2026\n"
+        "@@ -1,3 +1,3 @@\n-import c\n+import b\n import d\n-import b\n"
     )
-    old_black.chmod(0o755)
-    target = tmp_path / "tree" / "megatron" / "core" / "x.py"
-    target.parent.mkdir(parents=True)
-    target.write_text("def upstream( a ):\n    return a\nvalue = {'a':1}\n")
-    numbers = {"megatron/core/x.py": {3}}
-    problems = lint.lint(tmp_path / "tree", [PATCH], tools, only="black", line_numbers=numbers)
-    assert problems == ["megatron/core/x.py: black would rewrite: value = {'a':1}"]
+    runs = lint.parse_diff(diff, ["megatron/core/x.py"])["megatron/core/x.py"]
+    assert [(h.line, h.changed) for h in runs] == [
+        (1, ("-import c", "+import b")),
+        (3, ("-import b",)),
+    ]
+    moved = lint.Hunk(9, runs[1].changed, ("other", ""))
+    assert lint.introduced([moved], runs) == []  # the same rewrite upstream already needed
+    assert lint.introduced([moved, moved], runs) == [moved]  # ... but only once
+    other = lint.Hunk(1, ("-import x",), runs[0].context)  # same neighbours, another rewrite
+    assert lint.introduced([other], runs) == [other]
 
 
 NEW_FILE = """\
@@ -121,7 +137,7 @@ def test_without_a_checkout_the_upstream_checks_are_skipped(project, tool) -> No
     # the toy series' test files carry no copyright line: upstream's CI would refuse them
     assert "0.1.0  fix-mean                   copyright FAIL  1 file(s)" in res.out
     assert "    tests/unit_tests/test_mean.py: no NVIDIA copyright line" in res.out
-    assert "0.1.0: 3 commit(s) x 5 checks: 3 failed" in res.out
+    assert "0.1.0: 3 commit(s), 30 checks: 3 failed" in res.out
     assert res.rc == 1
 
 

@@ -162,3 +162,115 @@ def test_a_fix_of_several_commits_is_one_branch(project, checkout, tool):
     desc = git(repo, "config", "branch.mcore-fixes/fix-2.description")
     assert "Commits (each applies, imports and passes its tests on its own):" in desc
     assert "mcore-fixes/fix-1" not in git(repo, "branch")  # only what was asked for
+
+
+UPSTREAM_AUTHOR = {
+    "GIT_AUTHOR_NAME": "Upstream Author",
+    "GIT_AUTHOR_EMAIL": "author@upstream.example",
+    "GIT_AUTHOR_DATE": "2024-05-06T07:08:09+00:00",
+}
+UPSTREAM_SUBJECT = "Fix mean() of the upstream way (#42)"
+DOC = '"""Tiny arithmetic helpers."""\n'
+
+
+def _upstream_fix(repo: Path, base: str, header: str, double: str = "return 2 * x") -> str:
+    """Upstream's own fix of mean() on a side branch from `base` (as dev holds #5835)."""
+    from toolworld import CALC_FIXED
+
+    git(repo, "checkout", "-q", "-b", "upstream-dev", base)
+    text = CALC_FIXED.replace(DOC, DOC + header).replace("return 2 * x", double)
+    write(repo, "megatron/core/calc.py", text)
+    msg = f"{UPSTREAM_SUBJECT}\n\nSigned-off-by: Upstream Author <author@upstream.example>\n"
+    sha = commit_all(repo, msg, env={**UPSTREAM_AUTHOR, "GIT_COMMITTER_NAME": "Merger",
+                                     "GIT_COMMITTER_EMAIL": "m@upstream.example"})  # fmt: skip
+    git(repo, "checkout", "-q", "main-work")
+    return sha
+
+
+def _name_upstream_commit(project: Path, sha: str) -> None:
+    manifest = project / "patches" / "manifest.toml"
+    text = manifest.read_text()
+    old = 'id = "fix-mean"\n'
+    manifest.write_text(text.replace(old, f'{old}upstream-commit = "{sha}"\n'))
+
+
+def test_the_fix_starts_with_upstreams_own_commit(project, checkout, tool):
+    repo, base = checkout
+    sha = _upstream_fix(repo, base, "")
+    _name_upstream_commit(project, sha)
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", base)
+    assert res.rc == 0, res.text
+    fix1 = _log(repo, f"{base}..mcore-fixes/fix-1")
+    assert [c["s"] for c in fix1] == [UPSTREAM_SUBJECT]  # in place of our fix-mean patch
+    assert fix1[0]["author"] == "Upstream Author <author@upstream.example>"  # kept
+    assert fix1[0]["committer"] == "Jane Runner <jane@example.com>"
+    body = fix1[0]["b"].strip().splitlines()
+    assert body[-3:] == [
+        "Signed-off-by: Upstream Author <author@upstream.example>",
+        f"(cherry picked from commit {sha})",
+        "Signed-off-by: Jane Runner <jane@example.com>",
+    ]
+    # our commits of the other fixes still go on top of it
+    fix2 = _log(repo, f"{base}..mcore-fixes/fix-2")
+    assert [c["s"] for c in fix2] == [SUBJECTS["join-sep"], UPSTREAM_SUBJECT]
+    desc = git(repo, "config", "branch.mcore-fixes/fix-1.description")
+    assert f"`git cherry-pick -x {sha[:10]}`" in desc and "in place of our `fix-mean`" in desc
+
+
+def test_without_the_commit_in_the_checkout_our_patches_are_used(project, checkout, tool):
+    repo, base = checkout
+    _name_upstream_commit(project, "0123456789abcdef0123456789abcdef01234567")
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", base, "--fix", "1")
+    assert res.rc == 0, res.text
+    assert (
+        "mcore-fixes/fix-1: the checkout lacks upstream commit 0123456789 (fix-mean): "
+        "built from our patches" in res.out
+    )
+    assert [c["s"] for c in _log(repo, f"{base}..mcore-fixes/fix-1")] == [SUBJECTS["fix-mean"]]
+
+
+@pytest.mark.parametrize("kind", ["imports", "code"])
+def test_a_conflicting_cherry_pick(project, checkout, tool, kind):
+    repo, base = checkout
+    # the PR's base moved on since upstream's commit branched off: the same lines differ
+    if kind == "imports":
+        sha = _upstream_fix(repo, base, "\nfrom math import fsum\n")
+        calc = (repo / "megatron/core/calc.py").read_text()
+        write(
+            repo, "megatron/core/calc.py", calc.replace(DOC, DOC + "\nfrom math import isclose\n")
+        )
+    else:
+        sha = _upstream_fix(repo, base, "", double="return x + x")
+        calc = (repo / "megatron/core/calc.py").read_text()
+        write(repo, "megatron/core/calc.py", calc.replace("return 2 * x", "return x * 2"))
+    onto = commit_all(repo, "The base moves on")
+    _name_upstream_commit(project, sha)
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", onto, "--fix", "1")
+    assert res.rc == 0, res.text
+    fix1 = _log(repo, f"{onto}..mcore-fixes/fix-1")
+    calc = git(repo, "show", "mcore-fixes/fix-1:megatron/core/calc.py")
+    if kind == "imports":  # resolved: both sides' imports, as isort writes them, and noted
+        assert [c["s"] for c in fix1] == [UPSTREAM_SUBJECT]
+        assert "\nfrom math import fsum, isclose\n" in calc and "<<<<<<<" not in calc
+        assert "Conflicts:\n\tmegatron/core/calc.py (import block" in fix1[0]["b"]
+        assert f"(cherry picked from commit {sha})" in fix1[0]["b"]
+        assert fix1[0]["author"] == "Upstream Author <author@upstream.example>"
+    else:  # no safe text resolution: our patch, said so
+        assert [c["s"] for c in fix1] == [SUBJECTS["fix-mean"]]
+        assert "not cherry-picked (it conflicts with the base beyond import lines in " in res.out
+        assert "return x * 2" in calc
+
+
+def test_merge_imports_is_isort_shaped():
+    merged = upstream.merge_imports(
+        "from megatron.core.optimizer import HAVE_EMERGING_OPTIMIZERS, ChainedOptimizer\n"
+        "from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer\n",
+        "from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, "
+        "get_megatron_optimizer\n",
+    )
+    assert merged == (
+        "from megatron.core.optimizer import (\n    HAVE_EMERGING_OPTIMIZERS,\n"
+        "    ChainedOptimizer,\n    OptimizerConfig,\n    get_megatron_optimizer,\n)\n"
+        "from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer\n"
+    )
+    assert upstream.merge_imports("import os\n", "x = 1\n") is None
