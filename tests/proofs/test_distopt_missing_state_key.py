@@ -1,19 +1,14 @@
-"""Proof of patch distopt-step-key: every checkpoint format loads with torch Adam, bit-exact.
+"""Proof of patch distopt-missing-state-key: every checkpoint format loads with torch Adam.
 
 With torch's Adam (no TE/apex), each param's optimizer state has a "step" tensor that the
 fully_reshardable, fully_sharded_model_space and dp_zero formats (legacy included) do not
 carry: ``_set_main_param_and_optimizer_states`` raised ``KeyError: 'step'``. The fix skips
-exactly that key (load_state_dict() restores it from the param groups, now as one tensor per
-param, since torch Adam increments it in place) and raises a KeyError naming the key and the
-param for any other missing state. With every format loadable, the load check of patch
-distopt-param-index is proven here on each of them: a checkpoint written with the pre-fix
-index warns and names the params (on dev, which has upstream's index fix #5835 but no such
-check, this proof covers the dev variant, which carries the check).
+exactly that key (load_state_dict() restores it from the param groups) and raises a KeyError
+naming the key and the param for any other missing state.
 
 Real objects: DistributedDataParallel, get_megatron_optimizer (torch Adam), the
 DistributedOptimizer, dist_checkpointing save/load to files and the legacy torch.save path,
-in forked gloo worlds of 1 and 2 ranks (and 2 ranks at data-parallel size 1, where swapped
-shards have equal sizes). Disclosed stand-ins: ``CudaOnCpu`` and a no-op
+in forked gloo worlds of 1 and 2 ranks. Disclosed stand-ins: ``CudaOnCpu`` and a no-op
 ``torch.cuda.synchronize`` for the checkpoint writer.
 """
 
@@ -40,7 +35,6 @@ from _support import (
 )
 
 CKPT = CheckpointDirs()  # shared by the forked ranks
-EQUAL = (32, 32, 32)  # equal shapes: an old checkpoint loads silently permuted
 # Formats a version lists but can no longer write (dist_checkpointing rejects them).
 # Before 0.16 the bucket-space save asserts every state tensor has the shard's shape, so it
 # cannot hold torch Adam's per-param step (a 0-dim tensor).
@@ -62,10 +56,10 @@ def _formats(opt):
     return [t for t in sharding_types(opt) if t != "fully_sharded_bucket_space"]
 
 
-def _save(chunks, optimizer, opts, sharding_type, old_index=False):
+def _save(chunks, optimizer, opts, sharding_type):
     ckpt_dir = CKPT.new(sharding_type)
     try:
-        distopt_save(chunks, optimizer, opts, sharding_type, ckpt_dir, old_index=old_index)
+        distopt_save(chunks, optimizer, opts, sharding_type, ckpt_dir)
     except Exception as e:  # noqa: BLE001
         if any(reason in str(e) for reason in UNWRITABLE):
             return None
@@ -92,7 +86,6 @@ def case_every_format_round_trip() -> None:
             # dp_reshardable holds the live step tensor (a LocalNonpersistentObject).
             if sharding_type != "dp_reshardable":
                 assert all(float(s) == 1.0 for s in steps), (sharding_type, steps)
-            assert len({id(s) for s in steps}) == len(steps), f"{sharding_type}: shared step"
 
 
 def case_missing_state_key_raises() -> None:
@@ -110,80 +103,17 @@ def case_missing_state_key_raises() -> None:
     assert "exp_avg_sq" in str(raised.value) and "inp.weight" in str(raised.value), raised.value
 
 
-def case_old_checkpoint_warns_in_every_format() -> None:
-    """Written with the pre-fix index: each format's load warns once and names the params."""
-    for sharding_type in _formats(build_distopt([MixedDtypeNet(EQUAL)])[2][0]):
-        chunks, optimizer, opts = build_distopt([MixedDtypeNet(EQUAL)])
-        distopt_step(chunks, optimizer, 0)
-        ckpt_dir = _save(chunks, optimizer, opts, sharding_type, old_index=True)
-        if ckpt_dir is None:
-            continue
-        distopt_step(chunks, optimizer, 1)
-        messages = distopt_load(chunks, optimizer, opts, sharding_type, ckpt_dir)
-        assert len(messages) == 1, (sharding_type, messages)
-        assert "inp.weight" in messages[0] and "permuted" in messages[0], messages
-
-
-def case_old_vpp_checkpoint_warns() -> None:
-    """Two model chunks (VPP), legacy format: the load names params of both chunks."""
-    chunks, optimizer, opts = build_distopt([MixedDtypeNet(EQUAL), MixedDtypeNet(EQUAL)])
-    distopt_step(chunks, optimizer, 0)
-    ckpt_dir = _save(chunks, optimizer, opts, "legacy", old_index=True)
-    distopt_step(chunks, optimizer, 1)
-    messages = distopt_load(chunks, optimizer, opts, "legacy", ckpt_dir)
-    assert len(messages) == 1, messages
-    assert "chunk 0: module.inp.weight" in messages[0], messages
-    assert "chunk 1: module.inp.weight" in messages[0], messages
-
-
-def case_new_checkpoint_warns_once_for_fp32() -> None:
-    """A checkpoint of the fixed index: one WARNING, for the fp32 params that cannot be checked."""
-    chunks, optimizer, opts = build_distopt([MixedDtypeNet(EQUAL)])
-    distopt_step(chunks, optimizer, 0)
-    ckpt_dir = _save(chunks, optimizer, opts, "legacy")
-    distopt_step(chunks, optimizer, 1)
-    messages = distopt_load(chunks, optimizer, opts, "legacy", ckpt_dir)
-    assert len(messages) == 1, messages
-    assert "child.weight" in messages[0] and "cannot be checked" in messages[0], messages
-    assert "inp.weight" not in messages[0], messages
-
-
-def case_aligned_load_is_silent() -> None:
-    chunks, optimizer, opts = build_distopt([MixedDtypeNet(EQUAL, fp32_first=True)])
-    distopt_step(chunks, optimizer, 0)
-    ckpt_dir = _save(chunks, optimizer, opts, "legacy", old_index=True)
-    assert distopt_load(chunks, optimizer, opts, "legacy", ckpt_dir) == []
-
-
 def _init_dp() -> None:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel()
 
 
-def _init_dp1() -> None:
-    """Every rank its own data-parallel group of one (tensor-parallel size = world size)."""
-    from megatron.core import parallel_state
-
-    world_size = torch.distributed.get_world_size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
-
-
-ROUND_TRIP = {
+CASES = {
     "every_format_round_trip": case_every_format_round_trip,
     "missing_state_key_raises": case_missing_state_key_raises,
 }
-OLD_CHECKPOINTS = {
-    "old_checkpoint_warns_in_every_format": case_old_checkpoint_warns_in_every_format,
-    "old_vpp_checkpoint_warns": case_old_vpp_checkpoint_warns,
-    "new_checkpoint_warns_once_for_fp32": case_new_checkpoint_warns_once_for_fp32,
-    "aligned_load_is_silent": case_aligned_load_is_silent,
-}
-WORLDS = {
-    "dp1": (1, _init_dp, {**ROUND_TRIP, **OLD_CHECKPOINTS}),
-    "dp2": (2, _init_dp, ROUND_TRIP),
-    "2ranks-dp1": (2, _init_dp1, OLD_CHECKPOINTS),
-}
+WORLDS = {"dp1": (1, _init_dp, CASES), "dp2": (2, _init_dp, CASES)}
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +125,9 @@ def worlds(tmp_path_factory) -> dict:
     return results
 
 
-CASES = [(w, c) for w, (_, _, cases) in WORLDS.items() for c in cases]
+WORLD_CASES = [(w, c) for w, (_, _, cases) in WORLDS.items() for c in cases]
 
 
-@pytest.mark.parametrize(("world", "case"), CASES, ids=[f"{w}-{c}" for w, c in CASES])
-def test_distopt_step_key(worlds, world, case) -> None:
+@pytest.mark.parametrize(("world", "case"), WORLD_CASES, ids=[f"{w}-{c}" for w, c in WORLD_CASES])
+def test_distopt_missing_state_key(worlds, world, case) -> None:
     check(worlds[world], case)
