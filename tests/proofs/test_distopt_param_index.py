@@ -4,9 +4,9 @@
 *16-bit shards]``; before the fix ``model_param_group_index_map`` numbered the params in
 grad-buffer order, so where a 16-bit buffer precedes an fp32 one (an fp32 child module after
 a bf16 one; VPP chunks) every state save and load path reads and writes other params' shards.
-The fix rebuilds the index from the builder's own groups, as upstream's dev fix #5835 does (the
-cases pass on dev). Its load check (a checkpoint written with the old index warns) is proven in
-test_distopt_step_key.py, on every format, once the formats load with torch Adam.
+The fix is upstream's dev fix #5835: the index rebuilt from the builder's own groups (the cases
+pass on dev). Checkpoints written with the old index are converted on load by patch
+distopt-old-checkpoint (test_distopt_old_checkpoint.py).
 
 Real objects: DistributedDataParallel, get_megatron_optimizer (torch Adam), the
 DistributedOptimizer constructor and its save/load paths, in forked gloo worlds of 1 and 2
