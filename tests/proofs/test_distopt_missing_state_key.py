@@ -25,55 +25,26 @@ from _support import (
     build_distopt,
     check,
     clone_tensors,
+    distopt_formats,
     distopt_load,
-    distopt_save,
+    distopt_save_if_writable,
     distopt_step,
+    init_data_parallel,
     own_shards,
     own_state,
     run_world,
-    sharding_types,
 )
 
 CKPT = CheckpointDirs()  # shared by the forked ranks
-# Formats a version lists but can no longer write (dist_checkpointing rejects them).
-# Before 0.16 the bucket-space save asserts every state tensor has the shard's shape, so it
-# cannot hold torch Adam's per-param step (a 0-dim tensor).
-UNWRITABLE = ("flattened_range is not supported", "Unknown sharding_type", "(torch.Size([]), 0,")
-
-
-def _forked_save_unreliable() -> bool:
-    """In these forked gloo worlds dist_checkpointing.save of 0.13 .. 0.15 hangs or loses a
-    rank's result (measured on 0.13.1, 0.14.0, 0.15.3; 0.16.1 and later pass in every format):
-    there the proof uses the legacy format, which saves with torch.save."""
-    from megatron.core import package_info
-
-    return (package_info.MAJOR, package_info.MINOR) < (0, 16)
-
-
-def _formats(opt):
-    if _forked_save_unreliable():
-        return ["legacy"]  # save_parameter_state: torch.save, no dist_checkpointing writer
-    return [t for t in sharding_types(opt) if t != "fully_sharded_bucket_space"]
-
-
-def _save(chunks, optimizer, opts, sharding_type):
-    ckpt_dir = CKPT.new(sharding_type)
-    try:
-        distopt_save(chunks, optimizer, opts, sharding_type, ckpt_dir)
-    except Exception as e:  # noqa: BLE001
-        if any(reason in str(e) for reason in UNWRITABLE):
-            return None
-        raise
-    return ckpt_dir
 
 
 def case_every_format_round_trip() -> None:
     """Save, step on, load: main params, moments and the step restored bit-exactly."""
-    for sharding_type in _formats(build_distopt([MixedDtypeNet()])[2][0]):
+    for sharding_type in distopt_formats(build_distopt([MixedDtypeNet()])[2][0]):
         chunks, optimizer, opts = build_distopt([MixedDtypeNet()])
         distopt_step(chunks, optimizer, 0)
         saved = [clone_tensors(list(own_state(opt).values())) for opt in opts]
-        ckpt_dir = _save(chunks, optimizer, opts, sharding_type)
+        ckpt_dir = distopt_save_if_writable(CKPT, chunks, optimizer, opts, sharding_type)
         if ckpt_dir is None:
             continue
         distopt_step(chunks, optimizer, 1)
@@ -103,17 +74,11 @@ def case_missing_state_key_raises() -> None:
     assert "exp_avg_sq" in str(raised.value) and "inp.weight" in str(raised.value), raised.value
 
 
-def _init_dp() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel()
-
-
 CASES = {
     "every_format_round_trip": case_every_format_round_trip,
     "missing_state_key_raises": case_missing_state_key_raises,
 }
-WORLDS = {"dp1": (1, _init_dp, CASES), "dp2": (2, _init_dp, CASES)}
+WORLDS = {"dp1": (1, init_data_parallel, CASES), "dp2": (2, init_data_parallel, CASES)}
 
 
 @pytest.fixture(scope="module")

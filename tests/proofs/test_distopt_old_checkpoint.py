@@ -38,39 +38,20 @@ from _support import (
     build_distopt,
     check,
     clone_tensors,
+    distopt_formats,
     distopt_load,
-    distopt_save,
+    distopt_save_if_writable,
     distopt_step,
     grad_buffer_order_index,
+    init_data_parallel,
+    init_data_parallel_of_one,
     own_state,
     param_names_by_name,
     run_world,
-    sharding_types,
 )
 
 CKPT = CheckpointDirs()  # shared by the forked ranks
 EQUAL = (32, 32, 32)  # equal shapes: the old index saves without a size error
-# Formats a version lists but can no longer write, or not with torch Adam's 0-dim step (< 0.16).
-UNWRITABLE = ("flattened_range is not supported", "Unknown sharding_type", "(torch.Size([]), 0,")
-
-
-def _formats(opt) -> list[str]:
-    from megatron.core import package_info
-
-    if (package_info.MAJOR, package_info.MINOR) < (0, 16):
-        return ["legacy"]  # forked dist_checkpointing saves are unreliable before 0.16
-    return [t for t in sharding_types(opt) if t != "fully_sharded_bucket_space"]
-
-
-def _save(chunks, optimizer, opts, sharding_type, old_index):
-    ckpt_dir = CKPT.new(sharding_type)
-    try:
-        distopt_save(chunks, optimizer, opts, sharding_type, ckpt_dir, old_index=old_index)
-    except Exception as e:  # noqa: BLE001
-        if any(reason in str(e) for reason in UNWRITABLE):
-            return None
-        raise
-    return ckpt_dir
 
 
 def _assert_own_state(opts, saved, what: str) -> None:
@@ -93,7 +74,7 @@ def _round_trip(chunks_fn, sharding_type: str, old_index: bool) -> list[str] | N
     chunks, optimizer, opts = build_distopt(chunks_fn())
     distopt_step(chunks, optimizer, 0)
     saved = [clone_tensors(list(own_state(opt).values())) for opt in opts]
-    ckpt_dir = _save(chunks, optimizer, opts, sharding_type, old_index)
+    ckpt_dir = distopt_save_if_writable(CKPT, chunks, optimizer, opts, sharding_type, old_index)
     if ckpt_dir is None:
         return None
     distopt_step(chunks, optimizer, 1)
@@ -103,14 +84,14 @@ def _round_trip(chunks_fn, sharding_type: str, old_index: bool) -> list[str] | N
 
 
 def case_old_checkpoint_loads_exactly_in_every_format() -> None:
-    for sharding_type in _formats(build_distopt([MixedDtypeNet(EQUAL)])[2][0]):
+    for sharding_type in distopt_formats(build_distopt([MixedDtypeNet(EQUAL)])[2][0]):
         messages = _round_trip(lambda: [MixedDtypeNet(EQUAL)], sharding_type, old_index=True)
         if messages is not None:
             _assert_logged(messages, converted=1)
 
 
 def case_new_checkpoint_loads_silently_in_every_format() -> None:
-    for sharding_type in _formats(build_distopt([MixedDtypeNet()])[2][0]):
+    for sharding_type in distopt_formats(build_distopt([MixedDtypeNet()])[2][0]):
         messages = _round_trip(lambda: [MixedDtypeNet()], sharding_type, old_index=False)
         assert messages in (None, []), (sharding_type, messages)
 
@@ -167,7 +148,7 @@ def case_neither_index_fits_warns() -> None:
     """Model weights that belong to neither order: each rank names its params, no conversion."""
     chunks, optimizer, opts = build_distopt([MixedDtypeNet(EQUAL)])
     distopt_step(chunks, optimizer, 0)
-    ckpt_dir = _save(chunks, optimizer, opts, "legacy", old_index=True)
+    ckpt_dir = distopt_save_if_writable(CKPT, chunks, optimizer, opts, "legacy", old_index=True)
     weights = {n: p.detach() + 1.0 for n, p in param_names_by_name(chunks).items()}
     torch.save(weights, ckpt_dir / f"model{dist.get_rank()}.pt")  # not the weights saved
     messages = distopt_load(chunks, optimizer, opts, "legacy", ckpt_dir)
@@ -182,7 +163,9 @@ def case_same_collectives_on_every_rank() -> None:
     for net in (MixedDtypeNet(), MixedDtypeNet(fp32_first=True)):
         chunks, optimizer, opts = build_distopt([net])
         distopt_step(chunks, optimizer, 0)
-        ckpt_dir = _save(chunks, optimizer, opts, "legacy", old_index=False)
+        ckpt_dir = distopt_save_if_writable(
+            CKPT, chunks, optimizer, opts, "legacy", old_index=False
+        )
         with CountAllReduce() as calls:
             assert distopt_load(chunks, optimizer, opts, "legacy", ckpt_dir) == []
         counts.append(calls.calls)
@@ -190,20 +173,6 @@ def case_same_collectives_on_every_rank() -> None:
     dist.all_gather_object(everyone, counts)
     assert all(c == everyone[0] for c in everyone), f"all-reduces per rank: {everyone}"
     assert counts[0] == counts[1] + 1, f"mixed-buffer vs aligned loads: {counts}"
-
-
-def _init_dp() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel()
-
-
-def _init_dp1() -> None:
-    """Every rank its own data-parallel group of one (tensor-parallel size = world size)."""
-    from megatron.core import parallel_state
-
-    world_size = torch.distributed.get_world_size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
 
 
 OLD_CHECKPOINTS = {
@@ -221,13 +190,13 @@ NEW_CHECKPOINTS = {
     ),
 }
 WORLDS = {
-    "dp1": (1, _init_dp, {**OLD_CHECKPOINTS, **NEW_CHECKPOINTS}),
+    "dp1": (1, init_data_parallel, {**OLD_CHECKPOINTS, **NEW_CHECKPOINTS}),
     "dp2": (
         2,
-        _init_dp,
+        init_data_parallel,
         {**NEW_CHECKPOINTS, "same_collectives_on_every_rank": case_same_collectives_on_every_rank},
     ),
-    "2ranks-dp1": (2, _init_dp1, OLD_CHECKPOINTS),
+    "2ranks-dp1": (2, init_data_parallel_of_one, OLD_CHECKPOINTS),
 }
 
 

@@ -32,6 +32,8 @@ from _support import (
     distopt_save,
     distopt_step,
     grad_buffer_order_index,
+    init_data_parallel,
+    init_data_parallel_of_one,
     own_shards,
     own_state,
     run_world,
@@ -118,20 +120,6 @@ def case_aligned_groups_unchanged_and_silent() -> None:
     assert _save_load_reshardable(chunks, optimizer, opts, old_index=True) == []
 
 
-def _init_dp() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel()
-
-
-def _init_dp1() -> None:
-    """Every rank its own data-parallel group of one (tensor-parallel size = world size)."""
-    from megatron.core import parallel_state
-
-    world_size = torch.distributed.get_world_size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
-
-
 INDEX_CASES = {
     "index_points_at_own_shard": case_index_points_at_own_shard,
     "vpp_index_points_at_own_shard": case_vpp_index_points_at_own_shard,
@@ -141,9 +129,9 @@ INDEX_CASES = {
 }
 LOAD_CASES = {"aligned_groups_unchanged_and_silent": case_aligned_groups_unchanged_and_silent}
 WORLDS = {
-    "dp1": (1, _init_dp, {**INDEX_CASES, **LOAD_CASES}),
-    "dp2": (2, _init_dp, INDEX_CASES),
-    "2ranks-dp1": (2, _init_dp1, LOAD_CASES),
+    "dp1": (1, init_data_parallel, {**INDEX_CASES, **LOAD_CASES}),
+    "dp2": (2, init_data_parallel, INDEX_CASES),
+    "2ranks-dp1": (2, init_data_parallel_of_one, LOAD_CASES),
 }
 
 

@@ -16,7 +16,15 @@ from __future__ import annotations
 import megatron.core.distributed  # noqa: F401 - imported once, before the ranks fork
 import megatron.core.optimizer  # noqa: F401
 import pytest
-from _support import MixedDtypeNet, build_distopt, check, distopt_step, own_shards, run_world
+from _support import (
+    MixedDtypeNet,
+    build_distopt,
+    check,
+    distopt_step,
+    init_data_parallel,
+    own_shards,
+    run_world,
+)
 
 
 def _steps(opts) -> list[float]:
@@ -48,12 +56,6 @@ def case_vpp_step_after_load_counts_once() -> None:
     assert steps == [3.0] * len(steps), steps
 
 
-def _init() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel()
-
-
 CASES = {
     "step_after_load_counts_once": case_step_after_load_counts_once,
     "vpp_step_after_load_counts_once": case_vpp_step_after_load_counts_once,
@@ -64,7 +66,8 @@ WORLD_SIZES = (1, 2)
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory) -> dict:
     return {
-        n: run_world(CASES, n, tmp_path_factory.mktemp(f"w{n}"), init=_init) for n in WORLD_SIZES
+        n: run_world(CASES, n, tmp_path_factory.mktemp(f"w{n}"), init=init_data_parallel)
+        for n in WORLD_SIZES
     }
 
 
