@@ -12,8 +12,9 @@ from . import git, sources
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import conflict_detail, read_patch
+from .series import conflict_detail, fit, left_out_lines, not_carried, read_patch
 
+_RELEASE_BRANCH = re.compile(r"core_r(\d+\.\d+)\.0")  # upstream's release branches
 _VERSION_FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.M)
 
 
@@ -47,8 +48,10 @@ def detect_baseline(manifest: Manifest, checkout: Path) -> tuple[Baseline, str]:
     baseline's ref and HEAD descends from its pin; HEAD descends from pinned commits (the
     nearest wins); the version in megatron/core/package_info.py, where a git baseline (it
     carries upstream's tests) wins over a PyPI one, and a git baseline whose pin is in the
-    checkout but on another line of history never matches; last, HEAD is an older commit of a
-    pinned line. So main at any commit never takes the 0.19 variants for saying 0.19.1.
+    checkout but on another line of history never matches; then HEAD is an older commit of a
+    pinned line; last, HEAD's branch (or its upstream) is the release branch `core_rX.Y.0` of
+    a pinned tag `core_vX.Y.*` (a shallow clone, whose history cannot tell). So main at any
+    commit never takes the 0.19 variants for saying 0.19.1.
     """
     head = git.out(checkout, "rev-parse", "HEAD")
     pinned = [b for b in manifest.baselines.values() if b.is_git]
@@ -86,6 +89,12 @@ def detect_baseline(manifest: Manifest, checkout: Path) -> tuple[Baseline, str]:
     if before:
         n, b = min(before, key=lambda t: t[0])
         return b, f"HEAD is {n} commit(s) before the pinned commit of {b.name}"
+    for name in sorted(branches):  # e.g. a shallow clone of a release branch: history cannot tell
+        m = _RELEASE_BRANCH.fullmatch(name)
+        tags = [b for b in pinned if m and b.ref.startswith(f"core_v{m.group(1)}.")]
+        if tags:
+            b = max(tags, key=lambda b: tuple(int(x) for x in re.findall(r"\d+", b.ref)))
+            return b, f"branch {name} is the release branch of {b.ref}"
     known = ", ".join(f"{b.name} ({b.version})" for b in manifest.baselines.values())
     raise UserError(
         f"{checkout} (megatron-core {version}, HEAD {head[:10]}) matches no baseline of the "
@@ -100,8 +109,8 @@ def check_override(manifest: Manifest, checkout: Path, chosen: Baseline) -> None
         found, why = detect_baseline(manifest, checkout)
     except UserError:  # nothing to contradict
         return
-    if found.name == chosen.name or "package_info.py" in why:
-        return
+    if found.name == chosen.name or "package_info.py" in why or "release branch" in why:
+        return  # the same, or found by weak evidence only (a version, a branch name)
     files = {p.id: manifest.patch_file(found, p) for p in manifest.patches}
     if all(manifest.patch_file(chosen, p) == files[p.id] for p in manifest.patches):
         return  # the same patch files either way (e.g. a PyPI release and its git tag)
@@ -128,7 +137,7 @@ def _branch_names(checkout: Path) -> set[str]:
 
 STATE_DIR = "mcore-fixes"  # inside the checkout's git dir: scratch index and journal
 JOURNAL = "apply.json"  # {"orig": HEAD before, "new": HEAD after}, while the checkout moves
-Todo = list[tuple[str, Path, str]]  # (patch id, patch file, its text)
+Todo = list[tuple[str, Path, str, tuple[str, ...]]]  # (patch id, file, text, git apply options)
 APPLY = ("apply", "--whitespace=nowarn")  # the user's apply.whitespace=error is for their diffs
 
 
@@ -208,12 +217,12 @@ def _apply(
             report.append((p.id, f"absent on {b.name}: {b.absent[p.id]}"))
             continue
         text = read_patch(path)
-        if p.id in contained or git.ok(
-            checkout, *APPLY, "--cached", "-R", "--check", str(path), env=env
-        ):
+        whole = p.id in b.fixed_upstream  # applied only if all of it is there
+        if p.id in contained or fit(checkout, path, "--cached", "-R", env=env, whole=whole):
             report.append((p.id, "already applied"))
             continue
-        proc = git.run(checkout, *APPLY, "--cached", str(path), check=False, env=env)
+        opts, left_out = fit(checkout, path, "--cached", env=env) or ((), {})
+        proc = git.run(checkout, *APPLY, "--cached", *opts, str(path), check=False, env=env)
         if proc.returncode != 0 and p.id in b.fixed_upstream:  # the rest of the series goes on
             report.append((p.id, f"fixed upstream ({b.fixed_upstream[p.id]}), skipped"))
             continue
@@ -222,15 +231,17 @@ def _apply(
                 f"patch {p.id} ({path.name}) {conflict_detail(proc.stderr)}; "
                 f"{checkout} was left unchanged"
             )
-        todo.append((p.id, path, text))
+        left_out = {**left_out, **not_carried(manifest, p, path, text)}
+        report += [(p.id, line) for line in left_out_lines(p.id, left_out)]
+        todo.append((p.id, path, text, opts))
     if not todo:
         return report
 
-    files = [str(path) for _, path, _ in todo]
-    touched = sorted({t for _, _, text in todo for t in git.touched_paths(text)})
+    touched = sorted({t for _, _, text, _ in todo for t in git.touched_paths(text)})
+    new = _commit_chain(checkout, orig, todo, state)  # objects only: the checkout is untouched
     dirty = git.out(checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched)
     if dirty:
-        if git.ok(checkout, *APPLY, "--index", "-R", "--check", *reversed(files)):
+        if _staged(checkout, new, touched):
             if not commit:
                 return _ordered(manifest, report, todo, "already applied (staged, not committed)")
             raise CheckFailed(
@@ -244,14 +255,13 @@ def _apply(
     if commit and not git.ok(checkout, "diff", "--cached", "--quiet"):
         raise CheckFailed(f"{checkout} has staged changes; commit or unstage them first")
 
-    if not commit:
+    if not commit:  # the series' tree into the index and work tree, in one step; HEAD stays
         with git.signals_held():
-            proc = git.run(checkout, *APPLY, "--index", *files, check=False)
+            proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
         if proc.returncode != 0:
-            raise CheckFailed(f"git apply failed, {checkout} left unchanged: {proc.stderr.strip()}")
+            raise CheckFailed(f"git failed, {checkout} left unchanged: {proc.stderr.strip()}")
         return _ordered(manifest, report, todo, "staged in the index and work tree (not committed)")
 
-    new = _commit_chain(checkout, orig, todo, state)
     (state / "journal.tmp").write_text(json.dumps({"orig": orig, "new": new}) + "\n")
     os.replace(state / "journal.tmp", state / JOURNAL)
     with git.signals_held():
@@ -271,6 +281,13 @@ def _apply(
     return _ordered(manifest, report, todo, "committed")
 
 
+def _staged(checkout: Path, new: str, touched: list[str]) -> bool:
+    """Whether the index and work tree already hold the series' files (`apply --no-commit`)."""
+    return git.ok(checkout, "diff", "--cached", "--quiet", new, "--", *touched) and git.ok(
+        checkout, "diff", "--quiet", "--", *touched
+    )
+
+
 def _contained_prefix(
     manifest: Manifest, checkout: Path, b: Baseline, orig: str, state: Path
 ) -> set[str]:
@@ -280,13 +297,18 @@ def _contained_prefix(
     only as a whole, last patch first (each patch alone need not). Patches upstream fixed its
     own way (not in the tree) are stepped over.
     """
-    chain = [(p.id, path) for p in manifest.patches if (path := manifest.patch_file(b, p))]
+    chain = [(p, path) for p in manifest.patches if (path := manifest.patch_file(b, p))]
     env = {"GIT_INDEX_FILE": str(state / "index-prefix")}
     for k in range(len(chain), 0, -1):
         git.run(checkout, "read-tree", orig, env=env)
         undone: set[str] = set()
-        for patch_id, path in reversed(chain[:k]):
-            if git.ok(checkout, *APPLY, "--cached", "-R", str(path), env=env):
+        for p, path in reversed(chain[:k]):
+            patch_id, whole = p.id, p.id in b.fixed_upstream  # left-out tests stay out
+            found = fit(checkout, path, "--cached", "-R", env=env, whole=whole)
+            opts = found[0] if found is not None else ()
+            if found is not None and git.ok(
+                checkout, *APPLY, "--cached", "-R", *opts, str(path), env=env
+            ):
                 undone.add(patch_id)
             elif patch_id not in b.fixed_upstream:
                 break
@@ -301,7 +323,7 @@ def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
     identity = {} if git.ok(checkout, "var", "GIT_COMMITTER_IDENT") else git.TOOL_IDENTITY
     index = {"GIT_INDEX_FILE": str(state / "index")}
     git.run(checkout, "read-tree", parent, env=index)
-    for _, path, text in todo:
+    for _, path, text, opts in todo:
         msg = state / "msg"
         info = git.run(
             checkout, "mailinfo", "-u", str(msg), os.devnull, env=index, input=text.encode()
@@ -309,7 +331,7 @@ def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
         fields = dict(line.split(": ", 1) for line in info.splitlines() if ": " in line)
         body = f"{fields.get('Subject', '')}\n\n{msg.read_text(encoding='utf-8')}"
         message = git.run(checkout, "stripspace", input=body.encode()).stdout
-        git.run(checkout, *APPLY, "--cached", str(path), env=index)
+        git.run(checkout, *APPLY, "--cached", *opts, str(path), env=index)
         tree = git.out(checkout, "write-tree", env=index)
         author = {
             "GIT_AUTHOR_NAME": fields.get("Author", ""),
@@ -331,6 +353,6 @@ def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
 def _ordered(
     manifest: Manifest, report: list[tuple[str, str]], todo: Todo, how: str
 ) -> list[tuple[str, str]]:
-    report = report + [(patch_id, how) for patch_id, _, _ in todo]
+    report = report + [(patch_id, how) for patch_id, *_ in todo]
     order = [p.id for p in manifest.patches]
-    return sorted(report, key=lambda r: order.index(r[0]))
+    return sorted(report, key=lambda r: (order.index(r[0]), r[1].startswith("left out")))

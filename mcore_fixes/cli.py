@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -19,8 +20,24 @@ from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
 from .prove import Runs, attach_proofs, prove_baseline, pytest_command
-from .series import OK_STATES, SKIPPED, Cell, apply_series, read_patch, test_files
-from .vendor import INFO_NAME, export, vendor, vendored_baseline
+from .series import (
+    OK_STATES,
+    SKIPPED,
+    Cell,
+    apply_series,
+    left_out_lines,
+    read_patch,
+    test_files,
+)
+from .vendor import (
+    INFO_NAME,
+    export,
+    replace_all,
+    series_hashes,
+    vendor,
+    vendored_baseline,
+    verify_vendored,
+)
 
 CLONE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,6 +88,8 @@ def cmd_vendor(args: argparse.Namespace) -> int:
         )
     for entry in record["applied"]:
         print(f"  applied   {entry['id']} (fix {entry['fix']})")
+        for line in left_out_lines(entry["id"], entry.get("left_out", {})):
+            print(f"            {line}")
     for entry in record["not_applied"]:
         print(f"  {entry['state']:<9} {entry['id']} (fix {entry['fix']}): {entry['reason']}")
     return 0
@@ -139,30 +158,86 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_regen(args: argparse.Namespace) -> int:
-    """Rewrite every context-only variant from its canonical patch (see variants.py)."""
+    """Rewrite every context-only variant from its canonical patch (see variants.py).
+
+    Every patch file involved must be present and parse first; the variant files are then
+    written together, or, if one fails, none of them.
+    """
     m = _manifest(args)
     progress = Progress()
+    for b in m.baselines.values():
+        series_hashes(m, b)
+    if (args.root / "build" / "vendor.json").exists() and (args.root / "megatron").exists():
+        # its edits must stay exportable: refuse unless it is its recorded baseline + series
+        vendored = m.baseline(vendored_baseline(args.root))
+        tree = _pristine(args, vendored, progress)
+        apply_series(tree, m, vendored)
+        verify_vendored(args.root, m, vendored, tree)
+    canon = m.baseline(m.canonical)
+    canonical_tree = _tree_or_skip(args, canon, progress)
     failed = 0
+    new: dict[Path, str] = {}
     for v in variants.variants(m):
         if v.reason or (args.patch and v.patch not in args.patch):
             continue  # a declared backport is written by hand
         trees = {n: _tree_or_skip(args, m.baseline(n), progress) for n in v.baselines}
         usable = [n for n, t in trees.items() if not isinstance(t, str)]
         lacking = [n for n in v.baselines if n not in usable and m.baseline(n).is_git]
+        if isinstance(canonical_tree, str):
+            lacking = [canon.name]
         if lacking or not usable:
             print(f"  skipped   patches/{v.file}: {', '.join(lacking)} uses it: {NO_CHECKOUT}")
             continue
         # A git baseline's tree has upstream's tests: the variant keeps its test sections.
         name = sorted(usable, key=lambda n: not m.baseline(n).is_git)[0]
         progress.step(f"regenerating patches/{v.file} on {name}")
+        b, tree = m.baseline(name), trees[name]
         try:
-            path, what = variants.regen_variant(m, m.baseline(name), m.patch(v.patch), trees[name])
+            path, what, text = variants.regen_variant(m, b, m.patch(v.patch), tree, canonical_tree)
         except CheckFailed as exc:
             print(f"  failed    {exc}")
             failed += 1
             continue
+        if text is not None:
+            new[m.root / path] = text
         print(f"  {what:<9} patches/{path}" if " " not in what else f"  patches/{path}: {what}")
-    return 1 if failed else 0
+    if failed:
+        if new:
+            print(f"  nothing written: {failed} variant(s) failed (the others stay as they were)")
+        return 1
+    for target in new:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    replace_all(new)
+    return 0
+
+
+def cmd_graft_tests(args: argparse.Namespace) -> int:
+    """Land the patches' test sections on a release tag's test files (see variants.py)."""
+    m = _manifest(args)
+    progress = Progress()
+    b = m.baseline(args.baseline)
+    donors = [m.baseline(n) for n in (args.tests_from or [m.canonical])]
+    if not all(x.is_git for x in (b, *donors)):
+        raise UserError("graft-tests needs git baselines (their trees carry upstream's tests)")
+    tree = _pristine(args, b, progress)
+    trees = {d.name: _pristine(args, d, progress) for d in donors}
+    added: dict[str, str] = {}
+    for p in m.patches:
+        if p.id in b.absent or (args.patch and p.id not in args.patch):
+            continue
+        for donor in donors:  # the first donor whose test change merges wins, per test file
+            progress.step(f"grafting the tests of {p.id} onto {b.name} from {donor.name}")
+            rel, what = variants.graft_tests(m, b, p, tree, donor, trees[donor.name])
+            print(f"  patches/{rel} (from {donor.name}): {what}")
+            if what.startswith("tests landed") and p.id not in b.variants:
+                b = dataclasses.replace(b, variants={**b.variants, p.id: rel})
+                m.baselines[b.name] = b  # the later patches apply on top of it
+                added[p.id] = rel
+    if added:
+        print(f'new variants: add to [baselines."{b.name}".variants] in patches/manifest.toml:')
+        for patch_id, rel in added.items():
+            print(f'  {patch_id} = "{rel}"')
+    return 0
 
 
 def cmd_prove(args: argparse.Namespace) -> int:
@@ -334,6 +409,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patch", action="append", help="limit to these patch ids (repeatable)")
     with_repo(p)
     p.set_defaults(func=cmd_regen)
+
+    p = sub.add_parser("graft-tests", help="land the series' tests on a release tag's tests/")
+    p.add_argument("--baseline", required=True, help="the git baseline whose variants to write")
+    p.add_argument(
+        "--from",
+        dest="tests_from",
+        action="append",
+        help="donor git baseline, repeatable, in order of preference (default: the canonical)",
+    )
+    p.add_argument("--patch", action="append", help="limit to these patch ids (repeatable)")
+    with_repo(p)
+    p.set_defaults(func=cmd_graft_tests)
 
     p = sub.add_parser("prove", help="fail-before / pass-after of each patch's tests")
     p.add_argument("--baseline", action="append", help="limit to these baselines (repeatable)")

@@ -42,8 +42,9 @@ class Cell:
     commit: str = ""  # commit of the patch in the tree repository (state "applies")
     base: str = ""  # the tree's commit just before this patch (its proof's `before` state)
     proof: dict = field(default_factory=dict)
-    # tests/ paths of the patch left out: the tree has no upstream tests (a PyPI sdist)
-    excluded: list[str] = field(default_factory=list)
+    # tests/ paths of the patch left out -> why: the tree has no upstream tests (a PyPI sdist),
+    # or this baseline's test file differs from the one the section was written against
+    excluded: dict[str, str] = field(default_factory=dict)
 
     def as_json(self) -> dict:
         hidden = ("commit", "base")
@@ -123,11 +124,79 @@ def conflict_detail(stderr: str) -> str:
     m = re.search(r"error: (\S+): (does not exist in index|No such file or directory)", stderr)
     if m:
         return f"target file missing: {m.group(1)}"
+    m = re.search(r"error: (\S+): already exists in (index|working directory)", stderr)
+    if m:
+        return f"it creates {m.group(1)}, which exists here"
     first = stderr.strip().splitlines()[:1]
     return first[0] if first else "does not apply"
 
 
 NO_TESTS_OPTS = ("--exclude=tests/*",)
+NO_TESTS_WHY = "this tree has no upstream tests/ (a PyPI sdist)"
+Fit = tuple[tuple[str, ...], dict[str, str]]  # (git apply options, left-out test path -> why)
+
+
+def fit(
+    repo: Path, path: Path, *args: str, env: dict[str, str] | None = None, whole: bool = False
+) -> Fit | None:
+    """How patch `path` applies to `repo` (`git apply ARGS`, e.g. --cached, -R): the options that
+    leave out its test sections that do not apply here, each with why; None when its code does
+    not apply. Code sections are never left out; a test section only where it does not apply
+    as a whole (a release tag's test file differs from the one it was written against).
+    `whole`: the patch as a whole or None (a patch upstream fixed its own way is "applied"
+    only if all of it reverse-applies).
+    """
+    apply = ("apply", "--whitespace=nowarn", *args)
+    if whole:
+        return ((), {}) if git.ok(repo, *apply, "--check", str(path), env=env) else None
+    try:  # cheaply: the callers check it with read_patch()
+        tests = test_files(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        read_patch(path)  # says what is wrong with it, in one line
+        raise
+    code = (*apply, "--check", *NO_TESTS_OPTS, str(path))
+    if "-R" in args and tests and not git.ok(repo, *code, env=env):
+        return None  # the usual answer backwards (not applied yet): one git call
+    if git.ok(repo, *apply, "--check", str(path), env=env):
+        return (), {}
+    if not tests or ("-R" not in args and not git.ok(repo, *code, env=env)):
+        return None
+    left_out: dict[str, str] = {}
+    for rel in tests:
+        one = git.run(repo, *apply, "--check", f"--include={rel}", str(path), check=False, env=env)
+        if one.returncode != 0:
+            left_out[rel] = conflict_detail(one.stderr)
+    opts = tuple(f"--exclude={rel}" for rel in left_out)
+    if not left_out or not git.ok(repo, *apply, "--check", *opts, str(path), env=env):
+        return None
+    return opts, left_out
+
+
+LEFT_OUT_TRAILER = "Left-out-test: "  # `Left-out-test: <path> (<why>)`, written by graft-tests
+
+
+def not_carried(manifest: Manifest, p: Patch, path: Path, text: str) -> dict[str, str]:
+    """Tests the variant `path` (`text`) does not carry, each with why, so that they are said
+    left out, never dropped silently: every test file of the canonical patch where the variant
+    is code only, else those its message names in `Left-out-test:` trailers."""
+    canonical = manifest.root / p.file
+    if path == canonical or not canonical.is_file():
+        return {}
+    header = text[: text.find("\ndiff --git ")]
+    named = dict(
+        line[len(LEFT_OUT_TRAILER) :].partition(" ")[::2]
+        for line in header.splitlines()
+        if line.startswith(LEFT_OUT_TRAILER)
+    )
+    if test_files(text) or named:
+        return {t: why.strip("()") for t, why in named.items()}
+    why = f"{path.parent.name}/{path.name} carries only code, no test section for this baseline"
+    return dict.fromkeys(test_files(read_patch(canonical)), why)
+
+
+def left_out_lines(patch_id: str, excluded: dict[str, str]) -> list[str]:
+    """One line per test section of `patch_id` that was left out, saying why."""
+    return [f"left out {rel} of {patch_id}: {why}" for rel, why in excluded.items()]
 
 
 def has_upstream_tests(tree: Path) -> bool:
@@ -187,11 +256,20 @@ def apply_series(
             continue
         text = read_patch(path)
         opts: tuple[str, ...] = ()
+        excluded: dict[str, str] = {}
         if no_tests and not git.ok(tree, "apply", "--check", str(path)):
             # Upstream's tests are not in this tree: take the patch's code only, so a patch may
             # edit upstream's existing test files (our CPU proofs live in tests/proofs/).
-            opts = NO_TESTS_OPTS
-        if git.ok(tree, "apply", "-R", "--check", *opts, str(path)):
+            opts, excluded = NO_TESTS_OPTS, dict.fromkeys(test_files(text), NO_TESTS_WHY)
+        elif not no_tests and (found := fit(tree, path)) is not None:
+            opts, excluded = found  # test sections this tag's test files cannot take
+        if not no_tests:
+            excluded = {**excluded, **not_carried(manifest, p, path, text)}
+        if (
+            git.ok(tree, "apply", "-R", "--check", *opts, str(path))
+            if no_tests
+            else fit(tree, path, "-R", whole=p.id in b.fixed_upstream) is not None
+        ):
             cell.state, cell.detail = UPSTREAM, "reverse-applies: already in this baseline"
             good.add(p.id)
             continue
@@ -204,8 +282,7 @@ def apply_series(
                 good.add(p.id)
             continue
         git.run(tree, "am", "-q", "--keep-cr", *opts, str(path), env=git.TOOL_IDENTITY)
-        if opts:
-            cell.excluded = [t for t in test_files(text)]
+        cell.excluded = excluded
         cell.state = APPLIES
         cell.commit = git.out(tree, "rev-parse", "HEAD")
         good.add(p.id)

@@ -150,35 +150,59 @@ def pip_command() -> list[str]:
     return [exe]
 
 
+MAX_MEMBERS = 100_000  # megatron/core + tests/unit_tests hold a few thousand files
+
+
 def safe_extract(archive: tarfile.TarFile, dest: Path, strip: int, keep: tuple[str, ...]) -> int:
     """Extract members under the `keep` prefixes, after stripping `strip` leading components.
 
-    Refuses (UserError, nothing extracted) absolute paths, `..` components, links pointing out
-    of the tree and special files, before writing anything.
+    Refuses (UserError, nothing extracted), before writing anything: absolute paths, `..`
+    components, symlinks, hardlinks other than to an earlier regular member, device files and
+    other special members, a name that occurs twice, more than MAX_MEMBERS members. A corrupt
+    or truncated stream met while reading is a UserError too (the caller names the archive).
     """
     selected: list[tarfile.TarInfo] = []
-    for member in archive.getmembers():
+    seen: dict[str, tarfile.TarInfo] = {}
+    kept: dict[str, str] = {}  # archive name -> extracted name
+    for count, member in enumerate(archive, 1):  # lazily: a huge index is refused early
+        if count > MAX_MEMBERS:
+            raise UserError(f"archive has more than {MAX_MEMBERS} members: not an MCore sdist")
         path = PurePosixPath(member.name)
         if path.is_absolute() or ".." in path.parts:
             raise UserError(f"unsafe archive entry {member.name!r}: escapes the target directory")
-        if member.issym() or member.islnk():
-            link = PurePosixPath(member.linkname)
-            base = path.parent if member.issym() else PurePosixPath()
-            if link.is_absolute() or ".." in (base / link).parts:
-                raise UserError(f"unsafe archive entry {member.name!r}: link out of the tree")
+        name = path.as_posix()
+        if name in seen and not (member.isdir() and seen[name].isdir()):
+            raise UserError(f"archive entry {member.name!r} occurs twice")
+        if member.issym():
+            raise UserError(f"unsafe archive entry {member.name!r}: a symlink")
+        if member.islnk():
+            target = seen.get(PurePosixPath(member.linkname).as_posix())
+            if target is None or not target.isfile():
+                raise UserError(
+                    f"unsafe archive entry {member.name!r}: hardlink to {member.linkname!r}, "
+                    "which is not an earlier file of the archive"
+                )
         elif not (member.isfile() or member.isdir()):
             raise UserError(f"unsafe archive entry {member.name!r}: not a file or directory")
+        seen[name] = member
         parts = path.parts[strip:]
         if not parts:
             continue
         rel = "/".join(parts)
         if not any(rel == k or rel.startswith(k + "/") for k in keep):
             continue
+        if member.islnk():  # to a member extracted too, by its extracted name
+            target = kept.get(PurePosixPath(member.linkname).as_posix())
+            if target is None:
+                raise UserError(f"archive entry {member.name!r}: hardlink out of the tree")
+            member.linkname = target
+        kept[name] = rel
         member.name = rel
-        if member.islnk():
-            member.linkname = "/".join(PurePosixPath(member.linkname).parts[strip:])
         selected.append(member)
-    archive.extractall(dest, members=selected, filter="data")
+    try:
+        archive.extractall(dest, members=selected, filter="data")
+    except (KeyError, tarfile.TarError, OSError) as exc:
+        raise UserError(f"cannot extract the archive ({exc})") from None
     return len(selected)
 
 
@@ -192,6 +216,8 @@ def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Pro
                 safe_extract(tar, dest, strip=1, keep=("megatron/core", "pyproject.toml"))
         except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
             raise UserError(f"{sdist} is not a readable .tar.gz archive ({exc})") from None
+        except UserError as exc:
+            raise UserError(f"{sdist}: {exc}") from None
         return b.sha256
     if mcore_repo is None:
         raise UserError(

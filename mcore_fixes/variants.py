@@ -10,7 +10,6 @@ code is compared then.
 
 from __future__ import annotations
 
-import subprocess
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from pathlib import Path
 from . import git
 from .errors import CheckFailed
 from .manifest import Baseline, Manifest, Patch
-from .series import apply_series, has_upstream_tests
+from .series import LEFT_OUT_TRAILER, NO_TESTS_OPTS, apply_series, fit, has_upstream_tests
 
 CONTEXT_ONLY = "context-only"
 BACKPORT = "backport"
@@ -163,48 +162,77 @@ def _without_tests(text: str) -> str:
     return head + "".join(body for path, body in sections(text) if not path.startswith("tests/"))
 
 
-def regen_variant(manifest: Manifest, b: Baseline, p: Patch, tree: Path) -> tuple[str, str]:
-    """Rewrite `b`'s variant of `p` from the canonical patch; return (file, what happened).
+def _relocate(tree: Path, text: str) -> str:
+    """Apply `text` to the work tree and index of `tree` exactly: `git apply -3` (context
+    matched in full, else a three-way merge from the pre-image blobs the patch's `index` lines
+    name, which the caller fetched into `tree`); never a fuzzy placement. Returns "" on
+    success, else why not (the tree is reset)."""
+    proc = git.run(tree, "apply", "-3", "-", check=False, input=text.encode())
+    conflicted = git.out(tree, "diff", "--name-only", "--diff-filter=U")
+    if proc.returncode == 0 and not conflicted:
+        return ""
+    git.run(tree, "reset", "-q", "--hard")
+    git.run(tree, "clean", "-q", "-fdx")
+    if conflicted:
+        return f"the three-way merge conflicts in {', '.join(conflicted.splitlines())}"
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    return lines[0].removeprefix("error: ") if lines else "git apply -3 failed"
 
-    The canonical patch is relocated onto the tree just before `p` (the baseline's pristine
-    tree with the earlier patches applied) with GNU patch (fuzz allowed), committed with the
-    canonical's message and author, and written in the series' format-patch form.
+
+def _fit_opts(tree: Path, path: Path) -> tuple[str, ...]:
+    """The options that apply `path` to `tree` as the series does (its left-out tests)."""
+    if not has_upstream_tests(tree):
+        return NO_TESTS_OPTS
+    found = fit(tree, path)
+    return found[0] if found is not None else ()
+
+
+def regen_variant(
+    manifest: Manifest, b: Baseline, p: Patch, tree: Path, canonical_tree: Path
+) -> tuple[str, str, str | None]:
+    """`b`'s variant of `p` rewritten from the canonical patch: (file, what happened, new text
+    or None where nothing is to be written). The caller writes all variants or none.
+
+    The canonical patch is relocated exactly onto the tree just before `p` (the baseline's
+    pristine tree with the earlier patches applied): a three-way merge from the canonical's
+    own pre-image blobs (fetched from `canonical_tree`, the canonical baseline's tree with the
+    series applied), never GNU patch's fuzz, which can put a hunk far from where it belongs.
+    Where it does not relocate exactly, it refuses (CheckFailed), unless the variant already
+    changes exactly the canonical's lines (a hand-placed context-only variant: left as is).
+    On a tree with upstream's tests whose test files do not merge, the code alone is
+    relocated (the test sections are then left out, and `apply` says so).
     """
     rel = b.variants[p.id]
     target = manifest.root / rel
     canonical = (manifest.root / p.file).read_text(encoding="utf-8")
+    canon = manifest.baseline(manifest.canonical)
+    ccell = next(c for c in apply_series(canonical_tree, manifest, canon) if c.patch == p.id)
+    if ccell.state != "applies":
+        return rel, f"not regenerated: {ccell.state} on {canon.name} ({ccell.detail})", None
     cells = apply_series(tree, manifest, b)
     cell = next(c for c in cells if c.patch == p.id)
     if not cell.base:
-        return rel, f"not regenerated: {cell.state} on {b.name} ({cell.detail})"
+        return rel, f"not regenerated: {cell.state} on {b.name} ({cell.detail})", None
+    git.run(tree, "fetch", "-q", "--no-tags", str(canonical_tree), ccell.commit)
     git.run(tree, "checkout", "-q", "-f", "--detach", cell.base)
     git.run(tree, "clean", "-q", "-fdx")
     text = canonical if has_upstream_tests(tree) else _without_tests(canonical)
     if git.run(tree, "apply", "--check", "-", check=False, input=text.encode()).returncode == 0:
-        return rel, f"the canonical patch applies to {b.name} as is: drop this variant"
-    proc = subprocess.run(
-        ["patch", "-p1", "-F3", "--no-backup-if-mismatch", "-s", "-f"],
-        cwd=tree,
-        input=text,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        git.run(tree, "reset", "-q", "--hard")
-        git.run(tree, "clean", "-q", "-fdx")
-        if target.is_file() and compare(text, target.read_text(encoding="utf-8"))[0] == 0:
-            # hunks GNU patch cannot place (e.g. split differently there): nothing has drifted
-            return (
-                rel,
-                "unchanged (the canonical does not relocate mechanically; its changed lines match)",
-            )
-        first = (proc.stdout + proc.stderr).strip().splitlines()[:1]
+        return rel, f"the canonical patch applies to {b.name} as is: drop this variant", None
+    why = _relocate(tree, text)
+    if why and has_tests(text) and not _relocate(tree, _without_tests(text)):
+        why, text = "", _without_tests(text)  # code relocated; its tests stay left out
+    if why:
+        kept = target.read_text(encoding="utf-8") if target.is_file() else ""
+        fits = kept and git.ok(tree, "apply", "--check", *_fit_opts(tree, target), str(target))
+        if fits and compare(text, kept)[0] == 0:
+            # placed by hand where no merge can place it, and it applies: nothing has drifted
+            return rel, f"unchanged (the canonical does not relocate exactly: {why})", None
         raise CheckFailed(
-            f"patches/{rel}: the canonical patch does not relocate onto {b.name} "
-            f"({first[0] if first else 'patch failed'}): it is a backport; edit it by hand and "
-            f"declare it in [baselines.{b.name}.backports]"
+            f"patches/{rel}: the canonical patch does not relocate exactly onto {b.name} "
+            f"({why}): it is a backport; edit it by hand and declare it in "
+            f"[baselines.{b.name}.backports]"
         )
-    git.run(tree, "add", "-A")
     diff = git.run(tree, "diff", "--cached", "--binary", "--full-index", cell.base).stdout
     git.run(tree, "reset", "-q", "--hard")
     git.run(tree, "clean", "-q", "-fdx")
@@ -221,6 +249,61 @@ def regen_variant(manifest: Manifest, b: Baseline, p: Patch, tree: Path) -> tupl
         raise CheckFailed(f"patches/{rel}: relocating the canonical patch changed {differ} lines")
     old = target.read_text(encoding="utf-8") if target.is_file() else ""
     if old == new:
-        return rel, "unchanged"
+        return rel, "unchanged", None
+    return rel, "regenerated", new
+
+
+def graft_tests(
+    manifest: Manifest, b: Baseline, p: Patch, tree: Path, donor: Baseline, donor_tree: Path
+) -> tuple[str, str]:
+    """Land `p`'s test sections, as `donor` carries them, in `b`'s variant of `p`.
+
+    For a git baseline whose test files differ from the ones the sections were written against
+    (a release tag): each test file's change on `donor`'s tree (the canonical baseline, or a
+    nearer tag) is merged three-way onto `b`'s tree (`git apply -3`, with the donor's blobs
+    fetched into `b`'s tree repository), after the variant's code. A test file that does not
+    merge cleanly stays left out (and `apply` says so). Returns (variant file, what happened);
+    a new variant file is named `b/<canonical file name>`.
+    """
+    rel = b.variants.get(p.id, f"{b.name}/{Path(p.file).name}")
+    cell = next(c for c in apply_series(tree, manifest, b) if c.patch == p.id)
+    if cell.state != "applies" or not cell.excluded:
+        return rel, f"unchanged ({cell.state}{', its tests land' if cell.commit else ''})"
+    dcell = next(c for c in apply_series(donor_tree, manifest, donor) if c.patch == p.id)
+    if dcell.state != "applies" or dcell.excluded:
+        return rel, f"not grafted: its tests do not land on {donor.name} either"
+    git.run(tree, "fetch", "-q", "--no-tags", str(donor_tree), dcell.commit)
+    git.run(tree, "checkout", "-q", "-f", "--detach", cell.commit)
+    landed, failed = [], []
+    for test in cell.excluded:
+        diff = git.run(
+            tree, "diff", "--full-index", "--binary", f"{dcell.commit}^", dcell.commit, "--", test
+        ).stdout
+        if not diff:
+            failed.append(f"{test} (not changed on {donor.name})")
+            continue
+        proc = git.run(tree, "apply", "-3", "-", check=False, input=diff.encode())
+        if proc.returncode != 0 or git.out(tree, "ls-files", "-u"):
+            git.run(tree, "reset", "-q", "--hard")
+            git.run(tree, "clean", "-q", "-fdx")
+            failed.append(f"{test} (does not merge onto {b.name}'s file)")
+            continue
+        git.run(tree, "commit", "-q", "--amend", "--no-edit", "--no-verify", env=git.TOOL_IDENTITY)
+        landed.append(test)
+    if not landed:
+        return rel, f"not grafted: {'; '.join(failed)}"
+    # The test files still left out are named in the message, so that `apply` says so.
+    message = git.out(tree, "log", "-1", "--format=%B")
+    kept = "\n".join(ln for ln in message.splitlines() if not ln.startswith(LEFT_OUT_TRAILER))
+    trailers = "".join(f"\n{LEFT_OUT_TRAILER}{f}" for f in failed)
+    if kept + trailers != message:
+        git.run(
+            tree, "commit", "-q", "--amend", "--no-verify", "-m", kept + trailers,
+            env=git.TOOL_IDENTITY,
+        )  # fmt: skip
+    new = git.run(tree, "format-patch", "-1", "HEAD", *git.FORMAT_PATCH_ARGS).stdout
+    target = manifest.root / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(new, encoding="utf-8")
-    return rel, "regenerated"
+    what = f"tests landed: {', '.join(landed)}"
+    return rel, what + (f"; left out: {'; '.join(failed)}" if failed else "")

@@ -13,7 +13,7 @@ from . import git
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import OK_STATES, Cell, apply_series, file_sha256
+from .series import OK_STATES, Cell, apply_series, file_sha256, read_patch, test_files
 
 INFO_NAME = "_mcore_fixes.json"  # written into megatron/core/, shipped with the install
 STATE_NAME = "vendor.json"  # in build/: baseline and file hashes of the vendored tree
@@ -65,6 +65,7 @@ def info_record(manifest: Manifest, b: Baseline, tree: Path, cells: list[Cell]) 
                 "fix": patches[c.patch].fix,
                 "file": c.file,
                 "sha256": file_sha256(manifest.root / c.file),
+                **({"left_out": c.excluded} if c.excluded else {}),
             }
             for c in cells
             if c.state == "applies"
@@ -177,6 +178,8 @@ def vendor(
         shutil.copy2(tree / rel, dest, follow_symlinks=False)
     state = {
         "baseline": b.name,
+        "pin": b.pin,
+        "series": series_hashes(manifest, b),
         "test_files": tests,
         "files": _hash_tree(root, ["megatron"], tests),
     }
@@ -184,6 +187,92 @@ def vendor(
     for leftover in (staging, retired):
         shutil.rmtree(leftover, ignore_errors=True)
     return record
+
+
+def series_hashes(manifest: Manifest, b: Baseline) -> dict[str, str]:
+    """sha256 of every patch file `b` takes (relative to patches/); each must exist and parse.
+
+    A missing or unreadable one is a CheckFailed saying how to get it back; nothing is written.
+    """
+    hashes: dict[str, str] = {}
+    for p in manifest.patches:
+        path = manifest.patch_file(b, p)
+        if path is None:
+            continue
+        rel = path.relative_to(manifest.root).as_posix()
+        try:
+            read_patch(path)
+        except UserError as exc:
+            raise CheckFailed(
+                f"{exc}; restore patches/{rel} (e.g. `git checkout -- patches/{rel}`) and run "
+                "again (nothing was written)"
+            ) from None
+        hashes[rel] = file_sha256(path)
+    return hashes
+
+
+def verify_vendored(root: Path, manifest: Manifest, b: Baseline, tree: Path) -> None:
+    """Refuse unless ./megatron is what `vendor` wrote for `b` plus its edits: the recorded
+    patch files are the current ones, megatron/core/_mcore_fixes.json names `b` and its pin,
+    and build/vendor.json's hashes are `b`'s pristine tree with the series applied (`tree` is
+    at that state). Each refusal is one line saying what is wrong and how to recover.
+    """
+    state = _load_state(root)
+    assert state is not None
+    again = f"run `python -m mcore_fixes vendor --baseline {b.name}` (with --force to drop edits)"
+    if state.get("incomplete"):
+        raise CheckFailed(f"an interrupted `vendor` left megatron/ half written; {again}")
+    series = series_hashes(manifest, b)
+    recorded = state.get("series")
+    if recorded is not None and recorded != series:
+        changed = sorted(k for k in set(series) | set(recorded) if series.get(k) != recorded.get(k))
+        raise CheckFailed(
+            f"patches/{changed[0]} changed since megatron/ was vendored, so its edits cannot be "
+            f"told from the series: restore it, or {again} (nothing was written)"
+        )
+    info_path = root / "megatron" / "core" / INFO_NAME
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+        found = f"{info['baseline']} (pin {info['pin']})"
+    except (OSError, ValueError, TypeError, KeyError):
+        found = "nothing readable"
+    if found != f"{b.name} (pin {b.pin})":
+        raise CheckFailed(
+            f"megatron/ is not the tree vendor wrote: build/{STATE_NAME} says {b.name}, "
+            f"megatron/core/{INFO_NAME} says {found}; {again} (nothing was written)"
+        )
+    if _hash_tree(tree, ["megatron"], state["test_files"]) != state["files"]:
+        raise CheckFailed(
+            f"build/{STATE_NAME} does not match {b.name} with the series applied (a hand-edited "
+            f"or stale record); {again} (nothing was written)"
+        )
+
+
+def replace_all(texts: dict[Path, str]) -> None:
+    """Write every file of `texts` or none: temp files first, then renames; a failure puts
+    the old contents back."""
+    old = {t: t.read_bytes() if t.exists() else None for t in texts}
+    tmps = {t: t.with_name(t.name + ".tmp") for t in texts}
+    try:
+        for target, text in texts.items():
+            tmps[target].write_text(text, encoding="utf-8")
+        with git.signals_held():
+            done: list[Path] = []
+            try:
+                for target in texts:
+                    os.replace(tmps[target], target)
+                    done.append(target)
+            except BaseException:
+                for target in done:
+                    data = old[target]
+                    if data is None:
+                        target.unlink(missing_ok=True)
+                    else:
+                        target.write_bytes(data)
+                raise
+    finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
 
 
 def vendored_baseline(root: Path) -> str:
@@ -210,7 +299,9 @@ def export(
             f"an interrupted `vendor` left {root / 'megatron'} half written; run "
             f"`python -m mcore_fixes vendor --baseline {b.name}` again (nothing was exported)"
         )
+    series_hashes(manifest, b)  # every patch file present and parsing, before anything runs
     cells = apply_series(tree, manifest, b)
+    verify_vendored(root, manifest, b, tree)
     broken = [c for c in cells if c.state not in OK_STATES + ("absent",)]
     if broken:  # exporting would rewrite the later patches from a different series
         c = broken[0]
@@ -272,12 +363,14 @@ def export(
                     f"a variant for {b.name} in patches/manifest.toml"
                 )
             continue
-        if cell.excluded:  # the tree lacks upstream's tests: the commit holds the code only
+        left_out = [t for t in cell.excluded if t in test_files(read_patch(target))]
+        if left_out:  # the commit holds the patch without these sections
             if cell.patch in owners:
                 raise CheckFailed(
-                    f"{cell.file} edits upstream test files ({', '.join(cell.excluded)}) that "
-                    f"{b.name} does not ship, so it cannot be exported from there; edit it on a "
-                    "git baseline (a Megatron-LM checkout)"
+                    f"{cell.file} has test sections that {b.name} cannot take "
+                    f"({'; '.join(f'{t}: {cell.excluded[t]}' for t in left_out)}), so it cannot "
+                    "be exported from there; edit it where they apply (a git baseline with "
+                    "those test files)"
                 )
             results.append((cell.file, "unchanged"))
             continue
@@ -286,13 +379,10 @@ def export(
         if changed:
             new_texts[target] = text
         results.append((cell.file, "updated" if changed else "unchanged"))
-    for target, text in new_texts.items():  # the patch files change together, or none does
-        target.with_suffix(".patch.tmp").write_text(text, encoding="utf-8")
     state = _load_state(root)
     assert state is not None
     state["files"] = _hash_tree(root, ["megatron"], state["test_files"])
-    with git.signals_held():
-        for target in new_texts:
-            os.replace(target.with_suffix(".patch.tmp"), target)
-        _write_state(root, state)
+    replace_all(new_texts)  # the patch files change together, or none does
+    state["series"] = series_hashes(manifest, b)
+    _write_state(root, state)
     return results

@@ -6,7 +6,8 @@ taken or skipped as a whole, so every scaler of the chain must follow that one d
 an overflow in one chain backs off both scales, and a skipped step never counts as a clean
 one. Meanwhile each chained optimizer's own `prepare_grads()` (overrides, instance hooks,
 class-level replacements) must still run exactly once per step, and a checkpoint written
-with diverged scalers must load reconciled.
+with diverged scalers must load reconciled (locally: loading makes no collective; rank 0 logs
+the one warning).
 
 Real MCore objects (Float16OptimizerWithFloat16Params, ChainedOptimizer, grad scalers) in one
 world of 2 gloo ranks forked from the test process, under the disclosed `CudaOnCpu` shim
@@ -18,7 +19,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _support import CaptureLogs, CountAllReduce, check, replaced_prepare_grads, run_world
+from _support import (
+    CaptureLogs,
+    CountAllReduce,
+    check,
+    count_world_collectives,
+    replaced_prepare_grads,
+    run_world,
+)
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -347,30 +355,17 @@ def case_resume_from_diverged_checkpoint():
     dense, expert = _optimizer(_scaler()), _optimizer(_scaler())
     chained = ChainedOptimizer([dense, expert])
     state_dict = _diverged_state_dict(chained)
-    with CaptureLogs() as logs:
+    with CaptureLogs() as logs, CountAllReduce() as count:
         chained.load_state_dict(state_dict)
+    assert count.calls == 0, "loading must not communicate"
     warnings = logs.messages(WARNING)
-    assert len(warnings) == 1, logs.messages()
-    assert "(8.0, 2, 1)" in warnings[0] and "(4.0, 1, 0)" in warnings[0], warnings
+    # Every rank loads the same checkpoint: rank 0 speaks, once.
+    assert len(warnings) == (1 if dist.get_rank() == 0 else 0), logs.messages()
+    assert all("scale in [4, 8]" in w and "growth_tracker in [1, 2]" in w for w in warnings)
     assert _state(dense.grad_scaler) == _state(expert.grad_scaler) == (4.0, 0, 1)
     # The next clean step unscales every chain exactly (before: expert grads 2x).
     _assert_exact_next_step(chained)
     assert _state(dense.grad_scaler) == _state(expert.grad_scaler) == (4.0, 1, 1)
-
-
-def case_resume_from_diverged_parameter_state():
-    dense, expert = _optimizer(_scaler()), _optimizer(_scaler())
-    chained = ChainedOptimizer([dense, expert])
-    dense.grad_scaler.load_state_dict(
-        {"scale": torch.tensor([8.0]), "growth_tracker": 2, "hysteresis_tracker": 1}
-    )
-    expert.grad_scaler.load_state_dict(
-        {"scale": torch.tensor([4.0]), "growth_tracker": 1, "hysteresis_tracker": 0}
-    )
-    with CaptureLogs() as logs:
-        chained.load_parameter_state("unused: no distributed optimizer in this chain")
-    assert len(logs.messages(WARNING)) == 1, logs.messages()
-    assert _state(dense.grad_scaler) == _state(expert.grad_scaler) == (4.0, 0, 1)
 
 
 def case_identical_states_load_untouched():
@@ -392,6 +387,28 @@ def case_bf16_and_constant_load_unchanged():
             chained.load_state_dict(chained.state_dict())
         assert logs.messages(WARNING) == [] and count.calls == 0
         assert _step(chained, [False, False]) is True
+
+
+def case_collectives_per_path_match_upstream():
+    # The chain adds no collective on any path: per prepare_grads() one inf/nan check per
+    # chained optimizer with a loss scaler (none in BF16), as upstream; none on load.
+    expected = {"fp16_dynamic": (2, 0), "fp16_constant": (2, 0), "bf16": (0, 0)}
+    makers = {
+        "fp16_dynamic": lambda: _scaler(),
+        "fp16_constant": lambda: ConstantGradScaler(8.0),
+        "bf16": lambda: None,
+    }
+    counts = {}
+    for path, make in makers.items():
+        bf16 = path == "bf16"
+        chained = ChainedOptimizer([_optimizer(make(), bf16=bf16), _optimizer(make(), bf16=bf16)])
+        _set_grads(chained, [False, True])
+        with CountAllReduce() as prepare:
+            chained.prepare_grads()
+        with count_world_collectives() as load:
+            chained.load_state_dict(chained.state_dict())
+        counts[path] = (prepare.calls, len(load))
+    assert counts == expected, counts
 
 
 CASES = {name[len("case_") :]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -5,7 +5,9 @@ own grad scaler. An overflow seen in one grid must move every scaler in the worl
 way (the step is skipped world-wide), otherwise the LLM scales the loss by one value while the
 encoder unscales the gradients it receives by another. Each module optimizer's own
 `prepare_grads()` must still run once per step, and a checkpoint written with diverged scalers
-must load reconciled across the world.
+must be reconciled across the world. Loading makes no collective (megatron/training skips
+`load_state_dict` on stub optimizers, so a load-time collective hangs the world): the next
+`prepare_grads()` reconciles, inside the one world all-reduce it makes on every path.
 
 Real HyperCommGrid process groups, inner optimizers from MCore's optimizer builder
 (Float16OptimizerWithFloat16Params with a DynamicGradScaler or ConstantGradScaler),
@@ -266,6 +268,21 @@ def case_world_collectives_per_step_match_upstream():
     assert counts == expected, counts
 
 
+def case_one_world_collective_per_prepare_grads():
+    # On every path and every rank (the stub of a 3-rank world included), prepare_grads()
+    # makes exactly one world collective: the all-reduce that carries found_inf (and the
+    # bounds of the scaler states). Overflow or not, whatever this rank holds.
+    counts = {}
+    for path in ("fp16_dynamic", "fp16_constant", "bf16"):
+        for overflow in (None, ENCODER):
+            world = Mimo(_config(path), _grids(dist.get_world_size()))
+            world.set_grads(overflow=overflow, value=0.5)
+            with count_world_collectives() as calls:
+                world.mimo.prepare_grads()
+            counts[path, overflow] = calls
+    assert set(map(tuple, counts.values())) == {("all_reduce",)}, counts
+
+
 def case_colocated_modules_share_the_decision():
     # Both module grids on rank 0, each with its own optimizer and scaler; the other ranks
     # hold no module and still join the world reduction.
@@ -347,6 +364,11 @@ DIVERGED = {ENCODER: (4.0, 1, 0), LLM: (8.0, 2, 1)}
 
 
 def _load_diverged(world):
+    """Load a diverged checkpoint as megatron/training does: not on stub optimizers.
+
+    Returns the WARNING messages of the load. Collective-free by contract: a rank that waits
+    in a load-time collective would hang, since stub ranks never call load_state_dict().
+    """
     state_dict = world.mimo.state_dict()
     for name, (scale, growth, hysteresis) in DIVERGED.items():
         if state_dict.get(name) is not None:
@@ -355,67 +377,78 @@ def _load_diverged(world):
                 "growth_tracker": growth,
                 "hysteresis_tracker": hysteresis,
             }
-    error = None
     with CaptureLogs() as logs:
-        try:
+        if not world.mimo.is_stub_optimizer:  # megatron/training/checkpointing.py's guard
             world.mimo.load_state_dict(state_dict)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank reports
-            error = exc
-    _raise_on_any_rank(error)
     return logs.messages(WARNING)
 
 
-def _raise_on_any_rank(error):
-    """Raise on every rank if one failed (so that no rank waits in a collective alone)."""
-    failed = [None] * dist.get_world_size()
-    dist.all_gather_object(failed, error is not None)
-    if error is not None:
-        raise error
-    assert not any(failed), f"failed on ranks {[r for r, f in enumerate(failed) if f]}"
+def _assert_reconciled_by_next_step(world):
+    """The first prepare_grads() after loading diverged scalers: every scaler in the world
+    takes the smallest scale with reset trackers, the step is skipped (its gradients were
+    unscaled by different loss scales), rank 0 logs one warning; the next one is exact.
 
-
-def case_resume_from_diverged_checkpoint():
-    world = Mimo(_config(), _grids(dist.get_world_size()))
-    warnings = _load_diverged(world)
+    Collectives first, on every rank; rank-local assertions last (see _exact_prepare)."""
+    world.set_grads(value=world.world_states()[LLM][0][0])
+    with CaptureLogs() as logs:
+        found_inf = world.mimo.prepare_grads()
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(found_inf))
+    assert flags == [True] * dist.get_world_size(), flags
     _all_equal(world, (4.0, 0, 1))
     prepared = _exact_prepare(world)
     _all_equal(world, (4.0, 1, 1))
     _assert_exact(prepared)
+    warnings = logs.messages(WARNING)
     if dist.get_rank() == 0:
         assert len(warnings) == 1, warnings
-        assert "(4.0, 1, 0)" in warnings[0] and "(8.0, 2, 1)" in warnings[0], warnings
+        assert "scale in [4, 8]" in warnings[0], warnings
+        assert "growth_tracker in [1, 2]" in warnings[0], warnings
     else:
-        assert warnings == []
+        assert warnings == [], warnings
+
+
+def case_resume_from_diverged_checkpoint():
+    world = Mimo(_config(), _grids(dist.get_world_size()))
+    with count_world_collectives() as calls:
+        warnings = _load_diverged(world)
+    assert calls == [] and warnings == [], (calls, warnings)
+    _assert_reconciled_by_next_step(world)
+
+
+def case_resume_colocated_from_diverged_checkpoint():
+    # Both modules on rank 0 (diverged there, locally); the other ranks hold none.
+    world = Mimo(_config(), {ENCODER: _grid(0), LLM: _grid(0)})
+    _load_diverged(world)
+    _assert_reconciled_by_next_step(world)
 
 
 def case_identical_states_load_untouched():
     world = Mimo(_config(), _grids(dist.get_world_size()))
     world.set_grads(value=0.5)
     world.mimo.step()
-    error = None
     with CaptureLogs() as logs:
-        try:
-            world.mimo.load_state_dict(world.mimo.state_dict())
-        except Exception as exc:  # noqa: BLE001 - re-raised by _raise_on_any_rank
-            error = exc
-    _raise_on_any_rank(error)
-    _all_equal(world, (8.0, 1, 1))
+        _load_state(world)
+        prepared = _exact_prepare(world)
+    # loss_scale_window 2: the second clean step doubles the scale.
+    _all_equal(world, (16.0, 0, 1))
+    _assert_exact(prepared)
     assert logs.messages(WARNING) == []
 
 
-def case_bf16_and_constant_load_add_no_collective():
+def _load_state(world):
+    if not world.mimo.is_stub_optimizer:
+        world.mimo.load_state_dict(world.mimo.state_dict())
+
+
+def case_load_adds_no_collective():
     counts = {}
-    for precision in ("bf16", "fp16_constant"):
+    for precision in ("fp16_dynamic", "fp16_constant", "bf16"):
         world = Mimo(_config(precision), _grids(dist.get_world_size()))
-        error = None
         with count_world_collectives() as calls:
-            try:
-                world.mimo.load_state_dict(world.mimo.state_dict())
-            except Exception as exc:  # noqa: BLE001 - re-raised by _raise_on_any_rank
-                error = exc
-        _raise_on_any_rank(error)
+            world.mimo.load_state_dict(world.mimo.state_dict())
         counts[precision] = calls
-    assert counts == {"bf16": [], "fp16_constant": []}, counts
+    assert counts == {"fp16_dynamic": [], "fp16_constant": [], "bf16": []}, counts
 
 
 CASES = {name[len("case_") :]: fn for name, fn in globals().items() if name.startswith("case_")}
@@ -431,6 +464,25 @@ def two_ranks(tmp_path_factory):
 def three_ranks(tmp_path_factory):
     """Encoder grid on rank 0, LLM grid on rank 1, rank 2 holds no module (stub)."""
     return run_world(CASES, world_size=3, out=tmp_path_factory.mktemp("mimo3"), timeout=120)
+
+
+def stub_rank_load():
+    """Encoder on rank 0, LLM on rank 1, nothing on rank 2; the load skipped on the stub."""
+    world = Mimo(_config(), _grids(3))
+    assert world.mimo.is_stub_optimizer is (dist.get_rank() == 2)
+    _load_diverged(world)
+    _assert_reconciled_by_next_step(world)
+
+
+@pytest.fixture(scope="module")
+def stub_load(tmp_path_factory):
+    """A world of its own, with a short timeout: a load-time collective hangs it."""
+    cases = {"stub_rank_load": stub_rank_load}
+    return run_world(cases, world_size=3, out=tmp_path_factory.mktemp("stub"), timeout=30)
+
+
+def test_load_skipped_on_stub_rank_returns_and_reconciles(stub_load):
+    check(stub_load, "stub_rank_load")
 
 
 @pytest.mark.parametrize("name", list(CASES))

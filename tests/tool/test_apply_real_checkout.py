@@ -1,4 +1,5 @@
-"""`apply` on real Megatron-LM worktrees (core_v0.19.0, main and dev); needs MCORE_REPO.
+"""`apply` on real Megatron-LM worktrees (release tags, release branches, main and dev); needs
+MCORE_REPO.
 
 The user's checkout is never touched: each test makes a shared clone of it in a temp dir and
 a linked worktree of that clone at the baseline's pinned commit.
@@ -43,8 +44,9 @@ def snapshot(tree: Path) -> tuple[str, str, str]:
     return (git(tree, "rev-parse", "HEAD"), git(tree, "diff", "--cached"), git(tree, "diff"))
 
 
-def make_worktree(tmp_path: Path, name: str, *where: str) -> Path:
-    """A linked worktree of a shared clone of MCORE_REPO at baseline `name`'s pinned commit.
+def make_worktree(tmp_path: Path, name: str, *where: str, commit: str = "") -> Path:
+    """A linked worktree of a shared clone of MCORE_REPO at baseline `name`'s pinned commit
+    (or at `commit`).
 
     `where`: how `git worktree add` places HEAD there (default detached).
     """
@@ -52,7 +54,7 @@ def make_worktree(tmp_path: Path, name: str, *where: str) -> Path:
     subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", MCORE_REPO, str(clone)])
     tree = tmp_path / name
     git(clone, "worktree", "add", "-q", *(where or ("--detach",)), str(tree),
-        MANIFEST.baselines[name].commit)  # fmt: skip
+        commit or MANIFEST.baselines[name].commit)  # fmt: skip
     git(tree, "config", "user.name", "test")
     git(tree, "config", "user.email", "test@example.com")
     return tree
@@ -138,3 +140,39 @@ def test_apply_to_dev_skips_what_upstream_fixed(tmp_path: Path) -> None:
     states = {c["patch"]: c["state"] for c in json.loads(r.stdout)["cells"]}
     assert "conflict" not in states.values(), states
     assert states["distopt-param-index"] == "fixed-upstream"
+
+
+OLD_TAGS = ["core_v0.13.1", "core_v0.14.0", "core_v0.15.3", "core_v0.16.1"]
+
+
+@pytest.mark.parametrize("name", OLD_TAGS)
+@pytest.mark.parametrize("where", ["tag", "release branch"])
+def test_apply_to_a_release_tag_or_its_branch(tmp_path: Path, name: str, where: str) -> None:
+    """A checkout at a release tag, or at the head of its release branch (where downstream
+    pins sit), takes the tag's baseline (never the PyPI one); each test section that does not
+    land is one line saying why; applying again is a no-op."""
+    commit = ""
+    if where == "release branch":
+        branch = f"origin/core_r{name.removeprefix('core_v').rsplit('.', 1)[0]}.0"
+        found = subprocess.run(
+            ["git", "-C", MCORE_REPO, "rev-parse", "-q", "--verify", f"{branch}^{{commit}}"],
+            capture_output=True,
+            text=True,
+        )
+        if found.returncode != 0:
+            pytest.skip(f"{branch} is not in {MCORE_REPO}")
+        commit = found.stdout.strip()
+    tree = make_worktree(tmp_path, name, commit=commit)
+    r = tool("apply", str(tree))
+    assert r.returncode == 0, r.stdout + r.stderr
+    how = "the pinned commit" if not commit else "after the pinned commit"
+    assert f"baseline {name} (HEAD is" in r.stdout and how in r.stdout, r.stdout
+    b = MANIFEST.baselines[name]
+    applied = [p.id for p in MANIFEST.patches if p.id not in b.absent]
+    for patch_id in applied:
+        assert f"  {patch_id}: committed" in r.stdout, r.stdout
+    for line in r.stdout.splitlines():
+        if " left out " in line:
+            assert line.split(": ", 2)[2].strip(), line  # with why
+    again = tool("apply", str(tree))
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout + again.stderr

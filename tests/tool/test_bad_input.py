@@ -241,6 +241,7 @@ def _tar(*members: tuple[str, str, str | bytes]) -> tarfile.TarFile:
 
 
 GOOD = ("file", "pkg-1/megatron/core/ok.py", "x = 1\n")
+SETUP = ("file", "pkg-1/setup.py", "no\n")  # outside what is kept
 
 
 @pytest.mark.parametrize(
@@ -249,10 +250,14 @@ GOOD = ("file", "pkg-1/megatron/core/ok.py", "x = 1\n")
         (("file", "pkg-1/megatron/core/../../../escaped.py", "x"), "escapes the target"),
         (("file", "../escaped.py", "x"), "escapes the target"),
         (("file", "/tmp/escaped-absolute.py", "x"), "escapes the target"),
-        (("sym", "pkg-1/megatron/core/link", "/etc/passwd"), "link out of the tree"),
-        (("sym", "pkg-1/megatron/core/link", "../../../../outside"), "link out of the tree"),
-        (("hard", "pkg-1/megatron/core/hard", "../outside"), "link out of the tree"),
-        (("hard", "pkg-1/megatron/core/hard", "/etc/passwd"), "link out of the tree"),
+        (("sym", "pkg-1/megatron/core/link", "/etc/passwd"), "a symlink"),
+        (("sym", "pkg-1/megatron/core/link", "../../../../outside"), "a symlink"),
+        (("sym", "pkg-1/megatron/core/link", "ok.py"), "a symlink"),  # none in MCore's trees
+        (("hard", "pkg-1/megatron/core/hard", "../outside"), "hardlink to '../outside'"),
+        (("hard", "pkg-1/megatron/core/hard", "/etc/passwd"), "hardlink to '/etc/passwd'"),
+        (("hard", "pkg-1/megatron/core/hard", "pkg-1/missing.py"), "not an earlier file"),
+        (("hard", "pkg-1/megatron/core/hard", "pkg-1/setup.py"), "hardlink out of the tree"),
+        (("file", "pkg-1/megatron/core/ok.py", "y = 2\n"), "occurs twice"),
         (("fifo", "pkg-1/megatron/core/fifo", ""), "not a file or directory"),
         (("chr", "pkg-1/megatron/core/dev", ""), "not a file or directory"),
     ],
@@ -261,7 +266,7 @@ def test_safe_extract_refuses_escapes(tmp_path, evil, words):
     dest = tmp_path / "dest"
     dest.mkdir()
     # The evil member comes last: nothing at all may have been written.
-    with _tar(GOOD, evil) as tar, pytest.raises(UserError, match=words):
+    with _tar(GOOD, SETUP, evil) as tar, pytest.raises(UserError, match=words):
         safe_extract(tar, dest, strip=1, keep=("megatron/core",))
     assert list(dest.iterdir()) == []
     assert not (tmp_path / "escaped.py").exists()
@@ -275,7 +280,7 @@ def test_safe_extract_keeps_only_selected_paths(tmp_path):
         GOOD,
         ("dir", "pkg-1/megatron/core/sub", ""),
         ("file", "pkg-1/megatron/core/sub/a.py", "a\n"),
-        ("sym", "pkg-1/megatron/core/sub/alias.py", "a.py"),
+        ("hard", "pkg-1/megatron/core/sub/alias.py", "pkg-1/megatron/core/sub/a.py"),
         ("file", "pkg-1/megatron/training/t.py", "no\n"),
         ("file", "pkg-1/pyproject.toml", "[project]\n"),
         ("file", "pkg-1/setup.py", "no\n"),

@@ -1,7 +1,12 @@
 """Killed, interrupted and concurrent runs: completed or fully undone; the next run recovers.
 
-A `git` wrapper first on PATH stops the real tool (a subprocess) right before a chosen git
-command, so that it is killed (or sent SIGINT) exactly there.
+A `git` wrapper first on PATH stops the real tool (a subprocess) right before the first call of
+a chosen git command, so that it is killed (or sent SIGINT) exactly there.
+
+The tool starts with SIGINT/SIGTERM unblocked and SIGINT at its default, whatever the test
+process has (masks and ignored signals are inherited across fork and exec): a Ctrl-C test must
+not depend on the state a pytest worker happens to be in. A Ctrl-C that the tool does not act
+on fails within the timeout, with the signal state of the tool and its children (from /proc).
 """
 
 from __future__ import annotations
@@ -23,9 +28,20 @@ GIT = shutil.which("git")
 WRAPPER = f"""#!{sys.executable} -S
 import os, sys, time
 if f" {{os.environ['STOP_AT']}} " in f" {{' '.join(sys.argv[1:])}} ":
-    open(os.environ["REACHED"], "w").close()
-    time.sleep(float(os.environ["STOP_FOR"]))
+    try:  # the first such call only: an interrupt the tool missed cannot add up the stops
+        os.close(os.open(os.environ["REACHED"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        time.sleep(float(os.environ["STOP_FOR"]))
+    except FileExistsError:
+        pass
 os.execv(os.environ["REAL_GIT"], ["git", *sys.argv[1:]])
+"""
+# The tool, started with a clean signal state (see the module docstring).
+LAUNCH = """import runpy, signal, sys
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+sys.argv = ["mcore_fixes", *sys.argv[1:]]
+runpy.run_module("mcore_fixes", run_name="__main__", alter_sys=True)
 """
 
 
@@ -46,7 +62,7 @@ def wrapped_env(tmp_path: Path, stop_at: str, stop_for: int = 30) -> dict[str, s
 
 def start(root: Path, *args: str, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "mcore_fixes", "--root", str(root), *map(str, args)],
+        [sys.executable, "-c", LAUNCH, "--root", str(root), *map(str, args)],
         cwd=MAIN,
         env=env,
         stdout=subprocess.PIPE,
@@ -62,6 +78,42 @@ def wait_reached(env: dict[str, str], proc: subprocess.Popen[str]) -> None:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the run never reached the stop"
         time.sleep(0.02)
+
+
+def signal_state(pid: int) -> str:
+    """SigBlk/SigIgn/SigPnd of `pid` and its children (Linux /proc), for a failure message."""
+    lines = []
+    for p in [pid, *_children(pid)]:
+        try:
+            status = Path(f"/proc/{p}/status").read_text().splitlines()
+        except OSError:
+            continue
+        keep = [
+            ln for ln in status if ln.startswith(("Name", "SigBlk", "SigIgn", "SigPnd", "ShdPnd"))
+        ]
+        lines.append(f"{p}: " + " ".join(" ".join(ln.split()) for ln in keep))
+    return "\n".join(lines)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(c) for c in text.split()]
+
+
+def interrupt(proc: subprocess.Popen[str], timeout: int = 60) -> tuple[str, str]:
+    """Ctrl-C to the tool's process group; its output once it exited."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        state = signal_state(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        why = f"the tool did not act on SIGINT within {timeout} s:\n{state}"
+        raise AssertionError(why) from None
 
 
 def count(co: Path) -> int:
@@ -106,8 +158,7 @@ def test_apply_ctrl_c_in_the_critical_step_completes(world, project, tmp_path):
     env = wrapped_env(tmp_path, "read-tree -m -u", stop_for=1)
     proc = start(project, "apply", co, env=env)
     wait_reached(env, proc)
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = interrupt(proc)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and out.count(": committed") == 3
     assert count(co) == 3 and git(co, "status", "--porcelain").strip() == ""
@@ -120,8 +171,7 @@ def test_apply_ctrl_c_while_checking_changes_nothing(world, project, tmp_path):
     env = wrapped_env(tmp_path, "commit-tree")
     proc = start(project, "apply", co, env=env)
     wait_reached(env, proc)
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = interrupt(proc)
     assert proc.returncode == 130, out + err
     assert err.strip() == "mcore_fixes: interrupted"
     assert snapshot(co) == before

@@ -47,7 +47,8 @@ def test_patch_editing_upstream_tests_applies_code_only_without_them(
     # The sdist has no tests/: the patch's code applies, its tests are left out (and said so).
     pypi = cells[("0.1.0", "question")]
     assert pypi["state"] == "applies"
-    assert pypi["excluded"] == ["tests/unit_tests/test_basic.py"]
+    assert list(pypi["excluded"]) == ["tests/unit_tests/test_basic.py"]
+    assert "PyPI sdist" in pypi["excluded"]["tests/unit_tests/test_basic.py"]
     # A git baseline has upstream's tests: the whole patch applies there.
     assert cells[("core_v0.2.0", "question")]["state"] == "applies"
     assert "excluded" not in cells[("core_v0.2.0", "question")]

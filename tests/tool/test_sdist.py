@@ -195,3 +195,74 @@ def test_download_from_inside_pips_isolated_build_env(world, tmp_path):
     assert rc == "0", err
     assert (project / "megatron/core/calc.py").exists()
     assert (cache / "sha256" / world.sdist_sha / SDIST).exists()
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str = ""):
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.linkname = kind, len(data), link
+    return info, (io.BytesIO(data) if data else None)
+
+
+def planted_archives(good: Path) -> dict[str, tuple[list, str]]:
+    """Archives whose hash the manifest pins (so they get past the pin check), each crafted to
+    break extraction one way; with the words its one error line must contain."""
+    top = "megatron_core-0.1.0"
+    info = f"{top}/megatron/core/package_info.py"
+    return {
+        "hardlink to a missing member": (
+            [_member(f"{top}/megatron/core/x.py", tarfile.LNKTYPE, link=f"{top}/nope.py")],
+            "hardlink to",
+        ),
+        "symlink": (
+            [_member(f"{top}/megatron/core/x.py", tarfile.SYMTYPE, link="calc.py")],
+            "a symlink",
+        ),
+        "absolute path": ([_member("/etc/megatron.py", data=b"x")], "escapes the target"),
+        "dot-dot": ([_member(f"{top}/../../evil.py", data=b"x")], "escapes the target"),
+        "device file": ([_member(f"{top}/megatron/core/dev", tarfile.CHRTYPE)], "not a file"),
+        "fifo": ([_member(f"{top}/megatron/core/fifo", tarfile.FIFOTYPE)], "not a file"),
+        "duplicate member": ([_member(info, data=b"MAJOR = 9\n")], "occurs twice"),
+    }
+
+
+def test_planted_archive_with_matching_pin_is_one_line(world, tool, tmp_path, monkeypatch):
+    """Every malformed member: one error line naming the archive, exit 2, nothing extracted."""
+    for i, (what, (extra, words)) in enumerate(planted_archives(world.cache / SDIST).items()):
+        cache = tmp_path / f"cache{i}"
+        cache.mkdir()
+        sdist = cache / SDIST
+        with tarfile.open(world.cache / SDIST) as old, tarfile.open(sdist, "w:gz") as new:
+            for m in old.getmembers():
+                new.addfile(m, old.extractfile(m) if m.isfile() else None)
+            for m, data in extra:
+                new.addfile(m, data)
+        monkeypatch.setenv("MCORE_FIXES_CACHE", str(cache))
+        project = world.project(tmp_path / f"proj{i}", prebuilt=False)
+        pin(project, world.sdist_sha, sha256(sdist))
+        r = tool(project, "vendor")
+        assert r.rc == 2, (what, r.err)
+        msg = one_line(r.err)
+        assert str(sdist) in msg and words in msg, (what, msg)
+        assert "Traceback" not in r.err
+        assert not (project / "megatron").exists(), what
+        assert [p.name for p in (project / "build" / "trees").iterdir()] == [], what
+
+
+def test_huge_member_count_is_refused_before_extracting(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "MAX_MEMBERS", 5)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for n in range(10):
+            m, data = _member(f"top/megatron/core/f{n}.py", data=b"x")
+            tar.addfile(m, data)
+    buf.seek(0)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    with tarfile.open(fileobj=buf) as tar:
+        try:
+            sources.safe_extract(tar, dest, strip=1, keep=("megatron/core",))
+        except sources.UserError as exc:
+            assert "more than 5 members" in str(exc)
+        else:
+            raise AssertionError("a huge archive was extracted")
+    assert list(dest.iterdir()) == []

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
-from toolworld import CALC_BUGGY, MAIN, PATCH_FILES, add_git_baseline, upstream_branch
+from toolworld import (
+    CALC_BUGGY,
+    FORMAT_PATCH,
+    MAIN,
+    PATCH_FILES,
+    add_git_baseline,
+    commit_all,
+    git,
+    tree_snapshot,
+    upstream_branch,
+)
 
 from mcore_fixes import manifest as manifest_mod
 from mcore_fixes import variants
@@ -108,3 +119,97 @@ def test_declared_backport_that_is_context_only_is_flagged(project):
     )
     [problem] = variants.drifted(manifest_mod.load(manifest))
     assert "declared a backport but changes exactly the canonical's lines" in problem
+
+
+HALF = "def half(x):\n    return x / 2\n\n\n"
+# v6: an older `double` kept above mean() (a decoy for fuzzy placement) and the canonical's
+# last context line changed: GNU patch at fuzz 1+ puts add-half's pure addition after the
+# decoy; a three-way merge from the canonical's blobs puts it where it belongs, after mean().
+CALC_V6 = CALC_BUGGY.replace(
+    '"""Tiny arithmetic helpers."""\n\n\n',
+    '"""Tiny arithmetic helpers."""\n\n\ndef triple(x):\n    return 3 * x\n\n\n'
+    "def double(x):\n    return x + x\n\n\n",
+).replace("    return 2 * x\n", "    return 2 * x  # v6\n")
+
+
+def _add_half(world, project, tmp_path, calc: str, name: str) -> tuple[str, object]:
+    """A pure-addition patch `add-half` in the canonical series, and git baseline `name`
+    whose calc.py is `calc`, with a variant of add-half (a stale copy of the canonical)."""
+    scratch = tmp_path / "scratch"
+    git(world.base, "clone", "-q", str(world.upstream), str(scratch))
+    git(scratch, "checkout", "-q", "core_v0.1.0")
+    git(scratch, "am", "-q", str(project / "patches" / PATCH_FILES["fix-mean"]))
+    fixed = (scratch / "megatron/core/calc.py").read_text()
+    (scratch / "megatron/core/calc.py").write_text(
+        fixed.replace("\n\n\ndef double", "\n\n\n" + HALF + "def double")
+    )
+    commit_all(scratch, "Add half()\n\nA pure addition.\n")
+    canonical = git(scratch, *FORMAT_PATCH)
+    (project / "patches/0004-add-half.patch").write_text(canonical)
+    with (project / "patches/manifest.toml").open("a") as f:
+        f.write('\n[[patch]]\nid = "add-half"\nfile = "0004-add-half.patch"\nfix = 4\n')
+    up, commit = upstream_branch(
+        world, tmp_path, "core_v0.1.1", {"megatron/core/calc.py": calc}, name
+    )
+    variant = project / f"patches/{name}/0004-add-half.patch"
+    variant.parent.mkdir()
+    variant.write_text(canonical)
+    extra = 'absent = { weak-test = "no constants.py" }\n'
+    extra += f'variants = {{ add-half = "{name}/0004-add-half.patch" }}\n'
+    add_git_baseline(project, name, commit, "0.6.0", extra)
+    return up, variant
+
+
+def test_regen_never_misplaces_a_pure_addition(world, project, tool, tmp_path):
+    up, variant = _add_half(world, project, tmp_path, CALC_V6, "v6")
+    if shutil.which("patch"):  # the hazard is real: fuzzy placement lands after the decoy
+        demo = tmp_path / "demo"
+        (demo / "megatron/core").mkdir(parents=True)
+        calc = CALC_V6.replace("(len(values) - 1)", "len(values)")
+        (demo / "megatron/core/calc.py").write_text(calc)
+        subprocess.run(
+            ["patch", "-p1", "-F3", "-s", "-f"], cwd=demo, input=variant.read_text(), text=True
+        )
+        placed = (demo / "megatron/core/calc.py").read_text()
+        assert placed.index("def half") < placed.index("def mean"), placed
+    r = tool(project, "regen", "--mcore-repo", up)
+    assert r.rc == 0, r.out + r.err
+    assert "regenerated patches/v6/0004-add-half.patch" in r.out
+    assert tool(project, "vendor", "--baseline", "v6", "--mcore-repo", up).rc == 0
+    calc = (project / "megatron/core/calc.py").read_text()
+    assert calc.index("def mean") < calc.index("def half") < calc.index("return 2 * x  # v6")
+    assert calc.count("def half") == 1
+
+
+def test_regen_refuses_what_does_not_relocate_exactly(world, project, tool, tmp_path):
+    """The line next to the addition changed: no exact placement exists; refused, unwritten."""
+    calc = CALC_BUGGY.replace("def double(x):", "def double(x, n=2):")
+    up, variant = _add_half(world, project, tmp_path, calc, "v7")
+    before = variant.read_text()
+    r = tool(project, "regen", "--mcore-repo", up)
+    assert r.rc == 1
+    assert (
+        "does not relocate exactly onto v7" in r.out
+        and "conflicts in megatron/core/calc.py" in r.out
+    )
+    assert variant.read_text() == before
+
+
+def test_regen_refuses_a_missing_patch_file(world, project, tool):
+    (project / "patches" / PATCH_FILES["join-sep"]).unlink()
+    before = tree_snapshot(project / "patches")
+    r = tool(project, "regen")
+    assert r.rc == 1
+    assert f"restore patches/{PATCH_FILES['join-sep']}" in r.err
+    assert tree_snapshot(project / "patches") == before
+
+
+def test_regen_refuses_a_swapped_vendored_tree(world, project, tool):
+    """regen changes variant files a vendored tree's edits are exported against: it first
+    checks that tree like export does."""
+    assert tool(project, "vendor").rc == 0
+    (project / "megatron/core/_mcore_fixes.json").unlink()
+    before = tree_snapshot(project / "patches")
+    r = tool(project, "regen")
+    assert r.rc == 1 and "megatron/ is not the tree vendor wrote" in r.err, r.err
+    assert tree_snapshot(project / "patches") == before

@@ -284,3 +284,83 @@ def test_export_after_an_interrupted_export(project, tool):
     r = tool(project, "export")
     assert r.rc == 0, r.err
     assert "+# after the crash" in (project / "patches/0001-fix-mean.patch").read_text()
+
+
+def _one_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mcore_fixes: error: "), err
+    return lines[0]
+
+
+def test_export_refuses_another_baselines_tree(world, project, tool, tmp_path):
+    """megatron/ holds core_v0.2.0's vendored tree while build/vendor.json says 0.1.0 (a
+    hand-swapped or interrupted vendor): refused, one line, no patch file written."""
+    assert (
+        tool(project, "vendor", "--baseline", "core_v0.2.0", "--mcore-repo", world.upstream).rc == 0
+    )
+    os.replace(project / "megatron", tmp_path / "other")
+    assert tool(project, "vendor", "--force").rc == 0
+    os.replace(project / "megatron", tmp_path / "mine")
+    os.replace(tmp_path / "other", project / "megatron")
+    before = tree_snapshot(project / "patches")
+    r = tool(project, "export")
+    assert r.rc == 1
+    msg = _one_error(r.err)
+    assert "build/vendor.json says 0.1.0" in msg and "says core_v0.2.0" in msg, msg
+    assert "vendor --baseline 0.1.0" in msg and "nothing was written" in msg
+    assert tree_snapshot(project / "patches") == before
+
+    (project / "megatron/core/_mcore_fixes.json").unlink()  # a raw copy of some tree
+    r = tool(project, "export")
+    assert r.rc == 1 and "says nothing readable" in _one_error(r.err)
+    assert tree_snapshot(project / "patches") == before
+
+
+def test_export_refuses_a_missing_patch_file_writing_nothing(world, project, tool):
+    assert tool(project, "vendor").rc == 0
+    calc = project / "megatron/core/calc.py"
+    calc.write_text(calc.read_text() + "\n\ndef triple(x):\n    return 3 * x\n")
+    (project / "patches" / PATCH_FILES["join-sep"]).unlink()
+    before = tree_snapshot(project / "patches")
+    r = tool(project, "export")
+    assert r.rc == 1
+    msg = _one_error(r.err)
+    assert "patch file not found" in msg and f"restore patches/{PATCH_FILES['join-sep']}" in msg
+    assert tree_snapshot(project / "patches") == before
+
+
+def test_export_refuses_a_patch_file_changed_since_vendor(world, project, tool):
+    assert tool(project, "vendor").rc == 0
+    target = project / "patches" / PATCH_FILES["weak-test"]
+    target.write_text(target.read_text().replace("Add constants module", "Add constants"))
+    before = tree_snapshot(project / "patches")
+    r = tool(project, "export")
+    assert r.rc == 1
+    assert f"patches/{PATCH_FILES['weak-test']} changed since" in _one_error(r.err)
+    assert tree_snapshot(project / "patches") == before
+
+
+def test_patch_files_are_replaced_all_or_none(tmp_path, monkeypatch):
+    from mcore_fixes import vendor as vendor_mod
+
+    a, b = tmp_path / "a.patch", tmp_path / "b.patch"
+    a.write_text("old a")
+    b.write_text("old b")
+    real = os.replace
+    calls = []
+
+    def flaky(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(vendor_mod.os, "replace", flaky)
+    try:
+        vendor_mod.replace_all({a: "new a", b: "new b"})
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the failure was swallowed")
+    assert (a.read_text(), b.read_text()) == ("old a", "old b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.patch", "b.patch"]

@@ -1,0 +1,331 @@
+"""Verdicts and plots from the runs of bench/e2e_gpu.sh (pristine vs fork, per scenario).
+
+    python bench/e2e_report.py RUNS_DIR OUT [--inject K] [--save N] [--tolerance T]
+
+RUNS_DIR holds NAME.jsonl (bench/e2e_hook.py's step records), NAME.log and NAME.rc per run.
+Prints the verdict table (markdown) and writes OUT/e2e-verdicts.md; with matplotlib, also
+OUT/e2e-scaler.png, OUT/e2e-resume.png and OUT/e2e-fsdp.png. It states what it measured;
+it asserts nothing. Verdicts: "bug shown" (pristine shows the bug the scenario targets), "ok"
+(the expected healthy behaviour), "WRONG" (a fork or control row that is not healthy), "NO
+RESULT" (the run could not measure it), "NOT CONVERTED" (a pristine-written checkpoint resumed
+on the fork with other params' state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+Steps = dict[int, dict[str, Any]]
+
+
+class Runs:
+    """The records of one RUNS_DIR."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def steps(self, name: str) -> Steps:
+        path = self.root / f"{name}.jsonl"
+        if not path.exists():
+            return {}
+        records = [json.loads(line) for line in path.read_text().splitlines() if line]
+        return {r["step"]: r for r in records if "step" in r}
+
+    def rc(self, name: str) -> int | None:
+        path = self.root / f"{name}.rc"
+        return int(path.read_text()) if path.exists() else None
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def failure(self, name: str) -> str:
+        """The run's exit status and its last error line, or '' when it finished."""
+        rc = self.rc(name)
+        if rc == 0:
+            return ""
+        errors = [
+            line.strip()
+            for line in self.log(name).splitlines()
+            if re.search(r"Error|Segmentation fault|signal|Traceback", line)
+        ]
+        what = errors[-1][:160] if errors else "no error line"
+        return f"exit {rc}: {what}"
+
+
+def equal_steps(a: Steps, b: Steps, steps: list[int]) -> tuple[int, int | None]:
+    """How many of steps have bitwise-equal losses in a and b, and the first that differs."""
+    same, first = 0, None
+    for s in steps:
+        if s in a and s in b and a[s]["loss_hex"] == b[s]["loss_hex"]:
+            same += 1
+        elif first is None:
+            first = s
+    return same, first
+
+
+def scaler_split(steps: Steps) -> int | None:
+    """First step after which the chained optimizers' scalers hold different states."""
+    for s in sorted(steps):
+        states = [tuple(sorted(c.items())) for c in steps[s]["scalers"]]
+        if len(set(states)) > 1:
+            return s
+    return None
+
+
+def scenario1(runs: Runs, inject: int) -> list[list[str]]:
+    rows = []
+    p, f = runs.steps("s1-pristine"), runs.steps("s1-fork")
+    same, first = equal_steps(p, f, list(range(1, inject)))
+    _, after = equal_steps(p, f, sorted(s for s in p if s >= inject))
+    for tree, steps in (("pristine", p), ("fork", f)):
+        fail = runs.failure(f"s1-{tree}")
+        if fail or not steps:
+            rows.append(["1 fp16+MoE chain scalers", tree, "NO RESULT", fail or "no steps"])
+            continue
+        chains = len(steps[min(steps)]["scalers"])
+        split = scaler_split(steps)
+        skipped = [s for s in sorted(steps) if steps[s]["skipped"]]
+        last = steps[max(steps)]["scalers"]
+        scales = "/".join(f"{c['scale']:g}" for c in last)
+        what = (
+            f"{chains} chains; skipped steps {skipped}; "
+            + (f"scalers DIVERGE from step {split}" if split else "scalers equal at every step")
+            + f"; final scales {scales}"
+        )
+        verdict = ("bug shown" if tree == "pristine" else "WRONG") if split else "ok"
+        rows.append(["1 fp16+MoE chain scalers", tree, verdict, what])
+    rows.append(
+        [
+            "1 fp16+MoE chain scalers",
+            "pristine vs fork",
+            "ok" if same == inject - 1 else "DIFFER BEFORE INJECTION",
+            f"losses of steps 1..{inject - 1} bitwise equal: {same}/{inject - 1}"
+            + (f" (first difference: step {first})" if first else "")
+            + (f"; losses differ from step {after} on" if after else "; equal after it too"),
+        ]
+    )
+    return rows
+
+
+def resume_exactness(runs: Runs, uninterrupted: str, resumed: str, save: int) -> str:
+    fail = runs.failure(resumed)
+    if fail:
+        return f"resume failed ({fail})"
+    a, b = runs.steps(uninterrupted), runs.steps(resumed)
+    later = sorted(s for s in a if s > save)
+    if not later or not b:
+        return "no steps to compare"
+    same, first = equal_steps(a, b, later)
+    worst = max(abs(a[s]["loss"] - b[s]["loss"]) for s in later if s in b)
+    verdict = "EXACT" if same == len(later) else "DIFFERS"
+    return (
+        f"{verdict}: steps {later[0]}..{later[-1]} bitwise equal to uninterrupted "
+        f"{same}/{len(later)}"
+        + (f", first difference step {first}, max |dloss| {worst:.3g}" if first else "")
+    )
+
+
+def saved_and_resumed(runs: Runs, name: str, save: int) -> str:
+    """Whether run NAME saved at step save, and how its resume NAME-resumed compares."""
+    fail = runs.failure(name)
+    if fail:
+        return f"save at step {save} FAILS ({fail})"
+    return resume_exactness(runs, name, f"{name}-resumed", save)
+
+
+def scenario2(runs: Runs, save: int) -> list[list[str]]:
+    rows = []
+    for fmt, label in (("dp", "dp_reshardable"), ("full", "fully_reshardable")):
+        for tree in ("pristine", "fork"):
+            name = f"s2a-{fmt}-{tree}"
+            what = saved_and_resumed(runs, name, save)
+            exact = what.startswith("EXACT")
+            verdict = "ok" if exact else ("bug shown" if tree == "pristine" else "WRONG")
+            rows.append([f"2A MoE, fp32 routers, {label}", tree, verdict, what])
+    for fmt, label in (("dp", "dp_reshardable"), ("full", "fully_reshardable")):
+        scenario = f"2B fp32 final norm, equal sizes, {label}"
+        for tree in ("pristine", "fork"):
+            name = f"s2b-{fmt}-{tree}"
+            what = saved_and_resumed(runs, name, save)
+            rows.append([scenario, tree, "ok" if what.startswith("EXACT") else "NO RESULT", what])
+        name = f"s2b-{fmt}-fork-from-pristine"
+        if runs.rc(name) is None:
+            continue
+        what = resume_exactness(runs, f"s2b-{fmt}-pristine", name, save)
+        warned = [
+            line.strip()
+            for line in runs.log(name).splitlines()
+            if line.startswith("WARNING:megatron.core.optimizer")
+        ]
+        if warned:
+            what += f"; {len(warned)} optimizer warning(s): {warned[0][:240]}"
+        verdict = {"EXACT": "ok", "DIFFERS": "NOT CONVERTED"}.get(what.split(":")[0], "NO RESULT")
+        rows.append([f"2B pristine-written {label} checkpoint", "resumed on fork", verdict, what])
+    for tree in ("pristine", "fork"):
+        name = f"s2c-dp-{tree}"
+        fail = runs.failure(name)
+        what = fail or resume_exactness(runs, name, f"{name}-resumed", save)
+        verdict = "ok" if what.startswith("EXACT") else "WRONG"
+        rows.append(["2C control (no fp32 params), dp_reshardable", tree, verdict, what])
+    return rows
+
+
+def scenario3(runs: Runs, tolerance: float) -> list[list[str]]:
+    rows = []
+    ref = runs.steps("s3-ddp-fork")
+    for tree in ("pristine", "fork"):
+        name = f"s3-fsdp-{tree}"
+        steps = runs.steps(name)
+        fail = runs.failure(name)
+        parts = [fail] if fail else []
+        trains = close = False
+        if steps:
+            first, last = steps[min(steps)], steps[max(steps)]
+            norms = [steps[s]["grad_norm"] or 0.0 for s in sorted(steps)]
+            trains = max(norms) > 0 and last["loss"] < first["loss"] - 0.5
+            parts.append(
+                f"{len(steps)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
+                f"max grad norm {max(norms):.3g}"
+            )
+            common = [s for s in steps if s in ref]
+            if common:
+                rel = max(
+                    abs(steps[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in common
+                )
+                close = rel <= tolerance
+                within = "within" if close else "OUTSIDE"
+                parts.append(
+                    f"max relative loss difference vs DDP {rel:.2e} ({within} {tolerance:g})"
+                )
+        else:
+            parts.append("no training step logged")
+        if trains and close and not fail:
+            verdict = "ok"
+        else:
+            verdict = "bug shown" if tree == "pristine" else "WRONG"
+        label = "3 Megatron-FSDP + precision-aware FusedAdam, flag default"
+        rows.append([label, tree, verdict, "; ".join(parts)])
+    fail = runs.failure("s3-ddp-fork")
+    if ref:
+        first, last = ref[min(ref)], ref[max(ref)]
+        rows.append(
+            [
+                "3 reference: DDP + distributed optimizer",
+                "fork",
+                "WRONG" if fail else "reference",
+                fail or f"{len(ref)} steps, loss {first['loss']:.4f} -> {last['loss']:.4f}",
+            ]
+        )
+    return rows
+
+
+def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def curve(name: str, key: str = "loss") -> tuple[list[int], list[float]]:
+        steps = runs.steps(name)
+        xs = sorted(s for s in steps if steps[s].get(key) is not None)
+        return xs, [steps[s][key] for s in xs]
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for tree, style in (("pristine", "-"), ("fork", "--")):
+        steps = runs.steps(f"s1-{tree}")
+        xs = sorted(steps)
+        for i, chain in enumerate(("dense", "expert")):
+            ys = [
+                steps[s]["scalers"][i]["scale"] if len(steps[s]["scalers"]) > i else None
+                for s in xs
+            ]
+            ax1.plot(xs, ys, style, marker="o", ms=3, label=f"{tree} {chain} chain")
+        ax2.plot(*curve(f"s1-{tree}"), style, label=tree)
+    for ax in (ax1, ax2):
+        ax.axvline(inject, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("iteration")
+        ax.legend()
+    if any(line.get_ydata().size for line in ax1.get_lines()):
+        ax1.set_yscale("log", base=2)
+    ax1.set_title(f"1: loss scale per chain (expert-only overflow at {inject})")
+    ax2.set_title("1: lm loss, fp16 + MoE")
+    fig.tight_layout()
+    fig.savefig(out / "e2e-scaler.png", dpi=110)
+
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
+    panels = [
+        ("2A dp_reshardable", "s2a-dp-fork", ["s2a-dp-fork-resumed", "s2a-dp-pristine"]),
+        ("2A fully_reshardable", "s2a-full-fork", ["s2a-full-fork-resumed", "s2a-full-pristine"]),
+        (
+            "2C control",
+            "s2c-dp-pristine",
+            ["s2c-dp-pristine-resumed", "s2c-dp-fork-resumed"],
+        ),
+        (
+            "2B dp_reshardable, pristine-written",
+            "s2b-dp-pristine",
+            ["s2b-dp-pristine-resumed", "s2b-dp-fork-from-pristine"],
+        ),
+    ]
+    for ax, (title, base, resumed) in zip(axes, panels, strict=True):
+        ax.plot(*curve(base), "-", marker="o", ms=3, label=f"{base} (uninterrupted)")
+        if not runs.steps(base):
+            ax.text(0.5, 0.5, f"{base}: no steps", transform=ax.transAxes, ha="center")
+        for name in resumed:
+            failed = " (save fails)" if runs.failure(name) and "resumed" not in name else ""
+            ax.plot(*curve(name), "--", marker="x", ms=5, label=name + failed)
+        ax.axvline(save, color="grey", lw=0.8, ls=":")
+        ax.set_title(f"{title}, save at {save}")
+        ax.set_xlabel("iteration")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "e2e-resume.png", dpi=110)
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, label, style in (
+        ("s3-fsdp-pristine", "Megatron-FSDP, pristine", "-"),
+        ("s3-fsdp-fork", "Megatron-FSDP, fork", "-"),
+        ("s3-ddp-fork", "DDP reference (fork)", "--"),
+    ):
+        ax1.plot(*curve(name), style, marker="o", ms=3, label=label)
+        ax2.plot(*curve(name, "grad_norm"), style, marker="o", ms=3, label=label)
+    ax1.set_title("3: lm loss (precision-aware FusedAdam, flag default)")
+    ax2.set_title("3: grad norm")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("iteration")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "e2e-fsdp.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--inject", type=int, default=10)
+    parser.add_argument("--save", type=int, default=10)
+    parser.add_argument("--tolerance", type=float, default=0.02)
+    args = parser.parse_args()
+    runs = Runs(args.runs)
+    rows = (
+        scenario1(runs, args.inject) + scenario2(runs, args.save) + scenario3(runs, args.tolerance)
+    )
+    lines = ["| scenario | tree | verdict | measured |", "| --- | --- | --- | --- |"]
+    lines += [f"| {a} | {b} | {v} | {c.replace('|', '/')} |" for a, b, v, c in rows]
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "e2e-verdicts.md").write_text(table + "\n")
+    try:
+        plots(runs, args.out, args.inject, args.save)
+    except ImportError as exc:
+        print(f"no plots: {exc}")
+
+
+if __name__ == "__main__":
+    main()
