@@ -29,6 +29,7 @@ from _support import (
     distopt_load,
     distopt_save,
     distopt_step,
+    init_data_parallel,
     own_state,
     run_world,
     sharding_types,
@@ -77,12 +78,6 @@ def case_aligned_round_trip() -> None:
     _round_trip([MixedDtypeNet(fp32_first=True)])
 
 
-def _init() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel()
-
-
 CASES = {
     "mixed_dtype_round_trip": case_mixed_dtype_round_trip,
     "aligned_round_trip": case_aligned_round_trip,
@@ -94,7 +89,8 @@ WORLD_SIZES = (1, 2)
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory) -> dict:
     results = {
-        n: run_world(CASES, n, tmp_path_factory.mktemp(f"w{n}"), init=_init) for n in WORLD_SIZES
+        n: run_world(CASES, n, tmp_path_factory.mktemp(f"w{n}"), init=init_data_parallel)
+        for n in WORLD_SIZES
     }
     CKPT.remove()
     return results

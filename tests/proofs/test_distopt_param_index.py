@@ -4,9 +4,9 @@
 *16-bit shards]``; before the fix ``model_param_group_index_map`` numbered the params in
 grad-buffer order, so where a 16-bit buffer precedes an fp32 one (an fp32 child module after
 a bf16 one; VPP chunks) every state save and load path reads and writes other params' shards.
-The fix rebuilds the index from the builder's own groups, as upstream's dev fix #5835 does (the
-cases pass on dev). Its load check (a checkpoint written with the old index warns) is proven in
-test_distopt_step_key.py, on every format, once the formats load with torch Adam.
+The fix is upstream's dev fix #5835: the index rebuilt from the builder's own groups (the cases
+pass on dev). Checkpoints written with the old index are converted on load by patch
+distopt-old-checkpoint (test_distopt_old_checkpoint.py).
 
 Real objects: DistributedDataParallel, get_megatron_optimizer (torch Adam), the
 DistributedOptimizer constructor and its save/load paths, in forked gloo worlds of 1 and 2
@@ -32,6 +32,8 @@ from _support import (
     distopt_save,
     distopt_step,
     grad_buffer_order_index,
+    init_data_parallel,
+    init_data_parallel_of_one,
     own_shards,
     own_state,
     run_world,
@@ -118,20 +120,6 @@ def case_aligned_groups_unchanged_and_silent() -> None:
     assert _save_load_reshardable(chunks, optimizer, opts, old_index=True) == []
 
 
-def _init_dp() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel()
-
-
-def _init_dp1() -> None:
-    """Every rank its own data-parallel group of one (tensor-parallel size = world size)."""
-    from megatron.core import parallel_state
-
-    world_size = torch.distributed.get_world_size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
-
-
 INDEX_CASES = {
     "index_points_at_own_shard": case_index_points_at_own_shard,
     "vpp_index_points_at_own_shard": case_vpp_index_points_at_own_shard,
@@ -141,9 +129,9 @@ INDEX_CASES = {
 }
 LOAD_CASES = {"aligned_groups_unchanged_and_silent": case_aligned_groups_unchanged_and_silent}
 WORLDS = {
-    "dp1": (1, _init_dp, {**INDEX_CASES, **LOAD_CASES}),
-    "dp2": (2, _init_dp, INDEX_CASES),
-    "2ranks-dp1": (2, _init_dp1, LOAD_CASES),
+    "dp1": (1, init_data_parallel, {**INDEX_CASES, **LOAD_CASES}),
+    "dp2": (2, init_data_parallel, INDEX_CASES),
+    "2ranks-dp1": (2, init_data_parallel_of_one, LOAD_CASES),
 }
 
 
