@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
 # The series' carried tests on patched main with Transformer Engine 2.20.2 (one GPU).
+# Run from the project root on the GPU machine with .gpu/ staged: .gpu/whl/*.whl (TE and its
+# needs, as bench/e2e_stage.py stages them), .gpu/suites/whl/mock-*.whl and
+# .gpu/suites/mlm-main.tar.gz (`git archive d98e8a64dd megatron tests/unit_tests tests/test_utils
+# tests/__init__.py examples *_builders.py model_provider.py pretrain_gpt.py pyproject.toml`).
+# Writes $OUT/te-carried.log and .xml. The -k list is every test function the patches add.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 NCCL_NVLS_ENABLE=0
 proj=$(pwd)
