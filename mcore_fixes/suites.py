@@ -40,12 +40,20 @@ from .errors import UserError
 from .manifest import Baseline, Manifest
 from .series import ABSENT, APPLIES, FIXED, OK_STATES, apply_series, read_patch
 
-SUITES = (
+SUITES = (  # the carried tests' homes, then the suites that import the modules the series edits
     "tests/unit_tests/test_optimizer.py",
     "tests/unit_tests/dist_checkpointing/test_optimizer.py",
     "tests/unit_tests/models/mimo/test_mimo_optimizer_consensus.py",
     "tests/unit_tests/optimizer",
     "tests/unit_tests/distributed/mfsdp_v1",
+    "tests/unit_tests/test_layer_wise_optimizer.py",
+    "tests/unit_tests/dist_checkpointing/test_layer_wise_optimizer.py",
+    "tests/unit_tests/test_emerging_optimizers.py",
+    "tests/unit_tests/distributed/test_distributed_data_parallel.py",
+    "tests/unit_tests/distributed/test_layer_wise_param_layout.py",
+    "tests/unit_tests/models/mimo/test_mimo_checkpoint.py",
+    "tests/unit_tests/models/mimo/test_mimo_overlap_lifecycle.py",
+    "tests/unit_tests/training/test_param_norm.py",
 )
 STATES = ("pristine", "tests-only", "patched")
 _TE_IMPORT = re.compile(
@@ -53,7 +61,7 @@ _TE_IMPORT = re.compile(
     r"|import transformer_engine[\w.]*(?: as \w+)?)$",
     re.M,
 )
-_TEST_DEF = re.compile(r"^\+(\s*)(?:async )?def (test_\w+)\(", re.M)
+_TEST_DEF = re.compile(r"^\+([ \t]*)(?:async )?def (test_\w+)\(", re.M)  # within one line
 
 # Per-rank junit file: pytest's --junitxml would have every rank write the same path.
 RANK_PLUGIN = """import os

@@ -39,6 +39,17 @@ def test_carried_tests_are_the_added_and_changed_test_functions():
     }
 
 
+def test_a_context_def_after_an_added_blank_line_is_not_carried():
+    patch = (
+        "diff --git a/tests/test_x.py b/tests/test_x.py\n"
+        "--- a/tests/test_x.py\n+++ b/tests/test_x.py\n"
+        "@@ -5,2 +5,5 @@ import torch\n"
+        "+def test_new():\n+    pass\n+\n+\n"
+        " def test_untouched_neighbour():\n"
+    )
+    assert suites.carried_tests([patch]) == {"tests/test_x.py": {"test_new"}}
+
+
 def test_te_import_is_guarded(tmp_path):
     f = tmp_path / "tests" / "test_x.py"
     f.parent.mkdir()
