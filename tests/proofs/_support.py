@@ -251,6 +251,23 @@ def run_world(
     return results
 
 
+World = tuple[int, Callable[[], None], dict[str, Case]]  # world size, init, cases
+
+
+def run_worlds(worlds: dict[str, World], tmp_path_factory, after: Callable[[], None]) -> dict:
+    """Run each named world once (``run_world``), then ``after`` (e.g. remove checkpoints)."""
+    results = {}
+    for name, (world_size, init, cases) in worlds.items():
+        results[name] = run_world(cases, world_size, tmp_path_factory.mktemp(name), init=init)
+    after()
+    return results
+
+
+def world_cases(worlds: dict[str, World]) -> list[tuple[str, str]]:
+    """(world, case) for every case of every world: the parameters of a proof test."""
+    return [(w, c) for w, (_, _, cases) in worlds.items() for c in cases]
+
+
 def check(results: list[dict[str, str]], name: str) -> None:
     """Assert that case ``name`` passed on every rank (and that the world itself came up)."""
     for rank, per_rank in enumerate(results):

@@ -32,7 +32,8 @@ from _support import (
     init_data_parallel,
     own_shards,
     own_state,
-    run_world,
+    run_worlds,
+    world_cases,
 )
 
 CKPT = CheckpointDirs()  # shared by the forked ranks
@@ -83,14 +84,10 @@ WORLDS = {"dp1": (1, init_data_parallel, CASES), "dp2": (2, init_data_parallel, 
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory) -> dict:
-    results = {}
-    for name, (world_size, init, cases) in WORLDS.items():
-        results[name] = run_world(cases, world_size, tmp_path_factory.mktemp(name), init=init)
-    CKPT.remove()
-    return results
+    return run_worlds(WORLDS, tmp_path_factory, after=CKPT.remove)
 
 
-WORLD_CASES = [(w, c) for w, (_, _, cases) in WORLDS.items() for c in cases]
+WORLD_CASES = world_cases(WORLDS)
 
 
 @pytest.mark.parametrize(("world", "case"), WORLD_CASES, ids=[f"{w}-{c}" for w, c in WORLD_CASES])

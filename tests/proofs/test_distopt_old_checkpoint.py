@@ -47,7 +47,8 @@ from _support import (
     init_data_parallel_of_one,
     own_state,
     param_names_by_name,
-    run_world,
+    run_worlds,
+    world_cases,
 )
 
 CKPT = CheckpointDirs()  # shared by the forked ranks
@@ -202,14 +203,10 @@ WORLDS = {
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory) -> dict:
-    results = {}
-    for name, (world_size, init, cases) in WORLDS.items():
-        results[name] = run_world(cases, world_size, tmp_path_factory.mktemp(name), init=init)
-    CKPT.remove()
-    return results
+    return run_worlds(WORLDS, tmp_path_factory, after=CKPT.remove)
 
 
-WORLD_CASES = [(w, c) for w, (_, _, cases) in WORLDS.items() for c in cases]
+WORLD_CASES = world_cases(WORLDS)
 
 
 @pytest.mark.parametrize(("world", "case"), WORLD_CASES, ids=[f"{w}-{c}" for w, c in WORLD_CASES])

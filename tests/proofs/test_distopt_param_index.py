@@ -16,8 +16,6 @@ ranks (data-parallel sizes 1 and 2; and 2 ranks at data-parallel size 1). Disclo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import megatron.core.dist_checkpointing  # noqa: F401 - imported once, before the ranks fork
 import megatron.core.distributed  # noqa: F401
 import megatron.core.optimizer  # noqa: F401
@@ -36,7 +34,7 @@ from _support import (
     init_data_parallel_of_one,
     own_shards,
     own_state,
-    run_world,
+    run_worlds,
     sharding_types,
     storage_order_index,
 )
@@ -137,12 +135,7 @@ WORLDS = {
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory) -> dict:
-    results = {}
-    for name, (world_size, init, cases) in WORLDS.items():
-        out: Path = tmp_path_factory.mktemp(name)
-        results[name] = run_world(cases, world_size, out, init=init)
-    CKPT.remove()
-    return results
+    return run_worlds(WORLDS, tmp_path_factory, after=CKPT.remove)
 
 
 CASES = [(w, c) for w, (_, _, cases) in WORLDS.items() for c in cases]
