@@ -597,7 +597,23 @@ def _versions_of(
     return commit, after, {f: _show(tree, parent, f) for f in after}
 
 
-def versions_line(python: str | None, up: Upstream | None) -> str:
+def tree_formatter_pins(tree: Path) -> dict[str, str]:
+    """The black/isort versions a baseline's own pyproject.toml pins, where it has one."""
+    path = tree / "pyproject.toml"
+    pins = read_pins(path.read_text(encoding="utf-8") if path.exists() else None)
+    return {k: v for k, v in pins.items() if k in FORMATTERS}
+
+
+def formatter_python(root: Path, pins: dict[str, str], tools_python: str | None) -> str | None:
+    """An interpreter with the pinned formatters; None: those on PATH (the default pins)."""
+    if tools_python or all(v == DEFAULT_PINS[k] for k, v in pins.items()):
+        return tools_python
+    return str(tool_env(root, pins))
+
+
+def versions_line(
+    python: str | None, up: Upstream | None, own: dict[str, str] | None = None
+) -> str:
     """Which tool versions ran, and which upstream pins, for the report."""
     if python is None:
         found = {}
@@ -609,7 +625,7 @@ def versions_line(python: str | None, up: Upstream | None) -> str:
                 found[name] = m.group(1) if m else "?"
     else:
         found = _versions(python)
-    pins = {**DEFAULT_PINS, **(up.pins if up else {}), "griffe": GRIFFE}
+    pins = {**DEFAULT_PINS, **(up.pins if up else own or {}), "griffe": GRIFFE}
     parts = []
     for name in ("griffe", "pylint", "black", "isort"):
         have = found.get(name, "-")
@@ -689,11 +705,15 @@ def lint_patches(
                 python = tools_python or str(tool_env(root, up.pins))
                 check_versions(python, up)
             cells = apply_series(tree, manifest, b)
-            say(f"{b.name}: tools: {versions_line(python if up else None, up)}")
+            # without upstream's inputs: the black/isort its own pyproject.toml pins (an sdist
+            # ships it; 0.14 .. 0.18 pin an older black than main)
+            own = {} if up else tree_formatter_pins(tree)
+            fmt_python = python if up else formatter_python(root, own, tools_python)
+            say(f"{b.name}: tools: {versions_line(fmt_python, up, own)}")
             if why:
                 say(f"{b.name}: skipped api, pylint: {why}")
             extra = _stack_results(tree, manifest, b, cells, tests_python, no_collect)
-            formatted = _format_series(tree, cells, python if up else None)
+            formatted = _format_series(tree, cells, fmt_python)
             n_fail = n_skip = n_checks = n_commits = 0
             for cell in cells:
                 if cell.state != APPLIES:
@@ -708,8 +728,7 @@ def lint_patches(
                 n_commits += 1
                 text = read_patch(manifest.root / cell.file)
                 parent = git.out(tree, "rev-parse", f"{cell.commit}^")
-                results = check_commit(tree, parent, cell.commit, text, up,
-                                       python if up else None, why,
+                results = check_commit(tree, parent, cell.commit, text, up, fmt_python, why,
                                        formatted.get(cell.patch))  # fmt: skip
                 for r in [*results, *extra.get(cell.patch, [])]:
                     n_checks += 1

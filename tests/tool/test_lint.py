@@ -126,6 +126,18 @@ def test_pins_come_from_upstreams_files() -> None:
     }
 
 
+def test_without_a_checkout_formatters_follow_the_baselines_own_pins(tmp_path: Path) -> None:
+    """An sdist of 0.14 .. 0.18 ships a pyproject.toml pinning black 24.4.2, not main's 26.3.0."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[project.optional-dependencies]\nlinting = ["black==24.4.2", "isort==5.13.2", '
+        '"pylint==3.2.6"]\n'
+    )
+    assert lint.tree_formatter_pins(tmp_path) == {"black": "24.4.2", "isort": "5.13.2"}
+    assert lint.tree_formatter_pins(tmp_path / "no-such-tree") == {}
+    # main's pins are those on PATH (nox installs them): no extra environment
+    assert lint.formatter_python(tmp_path, {"black": lint.DEFAULT_PINS["black"]}, None) is None
+
+
 def test_added_line_numbers() -> None:
     diff = "+++ b/m.py\n@@ -3,0 +4,2 @@\n+a\n+b\n@@ -9 +11 @@\n-c\n+d\n"
     assert lint.added_line_numbers(diff) == {"m.py": {4, 5, 11}}
