@@ -12,7 +12,7 @@ from . import git, sources
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import conflict_detail, fit, left_out_lines, not_carried, read_patch
+from .series import conflict_detail, fit, left_out_lines, not_carried, patch_arg, read_patch
 
 _RELEASE_BRANCH = re.compile(r"core_r(\d+\.\d+)\.0")  # upstream's release branches
 _VERSION_FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.M)
@@ -222,7 +222,7 @@ def _apply(
             report.append((p.id, "already applied"))
             continue
         opts, left_out = fit(checkout, path, "--cached", env=env) or ((), {})
-        proc = git.run(checkout, *APPLY, "--cached", *opts, str(path), check=False, env=env)
+        proc = git.run(checkout, *APPLY, "--cached", *opts, patch_arg(path), check=False, env=env)
         if proc.returncode != 0 and p.id in b.fixed_upstream:  # the rest of the series goes on
             report.append((p.id, f"fixed upstream ({b.fixed_upstream[p.id]}), skipped"))
             continue
@@ -307,7 +307,7 @@ def _contained_prefix(
             found = fit(checkout, path, "--cached", "-R", env=env, whole=whole)
             opts = found[0] if found is not None else ()
             if found is not None and git.ok(
-                checkout, *APPLY, "--cached", "-R", *opts, str(path), env=env
+                checkout, *APPLY, "--cached", "-R", *opts, patch_arg(path), env=env
             ):
                 undone.add(patch_id)
             elif patch_id not in b.fixed_upstream:
@@ -331,7 +331,7 @@ def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
         fields = dict(line.split(": ", 1) for line in info.splitlines() if ": " in line)
         body = f"{fields.get('Subject', '')}\n\n{msg.read_text(encoding='utf-8')}"
         message = git.run(checkout, "stripspace", input=body.encode()).stdout
-        git.run(checkout, *APPLY, "--cached", *opts, str(path), env=index)
+        git.run(checkout, *APPLY, "--cached", *opts, patch_arg(path), env=index)
         tree = git.out(checkout, "write-tree", env=index)
         author = {
             "GIT_AUTHOR_NAME": fields.get("Author", ""),

@@ -18,7 +18,15 @@ from pathlib import Path
 from . import git
 from .errors import CheckFailed
 from .manifest import Baseline, Manifest, Patch
-from .series import LEFT_OUT_TRAILER, NO_TESTS_OPTS, apply_series, fit, has_upstream_tests
+from .series import (
+    LEFT_OUT_TRAILER,
+    NO_TESTS_OPTS,
+    apply_series,
+    fit,
+    has_upstream_tests,
+    patch_arg,
+    patch_text,
+)
 
 CONTEXT_ONLY = "context-only"
 BACKPORT = "backport"
@@ -107,9 +115,7 @@ def variants(manifest: Manifest) -> list[Variant]:
         path = manifest.root / v.file
         if not canonical.is_file() or not path.is_file():
             continue
-        v.differ, v.code_only = compare(
-            canonical.read_text(encoding="utf-8"), path.read_text(encoding="utf-8")
-        )
+        v.differ, v.code_only = compare(patch_text(canonical), patch_text(path))
         v.kind = BACKPORT if v.differ else CONTEXT_ONLY
     return sorted(found.values(), key=lambda v: v.file)
 
@@ -204,7 +210,7 @@ def regen_variant(
     """
     rel = b.variants[p.id]
     target = manifest.root / rel
-    canonical = (manifest.root / p.file).read_text(encoding="utf-8")
+    canonical = patch_text(manifest.root / p.file)
     canon = manifest.baseline(manifest.canonical)
     ccell = next(c for c in apply_series(canonical_tree, manifest, canon) if c.patch == p.id)
     if ccell.state != "applies":
@@ -223,8 +229,10 @@ def regen_variant(
     if why and has_tests(text) and not _relocate(tree, _without_tests(text)):
         why, text = "", _without_tests(text)  # code relocated; its tests stay left out
     if why:
-        kept = target.read_text(encoding="utf-8") if target.is_file() else ""
-        fits = kept and git.ok(tree, "apply", "--check", *_fit_opts(tree, target), str(target))
+        kept = patch_text(target) if target.is_file() else ""
+        fits = kept and git.ok(
+            tree, "apply", "--check", *_fit_opts(tree, target), patch_arg(target)
+        )
         if fits and compare(text, kept)[0] == 0:
             # placed by hand where no merge can place it, and it applies: nothing has drifted
             return rel, f"unchanged (the canonical does not relocate exactly: {why})", None
@@ -247,7 +255,7 @@ def regen_variant(
     differ, _ = compare(text, new)
     if differ:
         raise CheckFailed(f"patches/{rel}: relocating the canonical patch changed {differ} lines")
-    old = target.read_text(encoding="utf-8") if target.is_file() else ""
+    old = patch_text(target) if target.is_file() else ""
     if old == new:
         return rel, "unchanged", None
     return rel, "regenerated", new
