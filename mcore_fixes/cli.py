@@ -207,7 +207,7 @@ def cmd_regen(args: argparse.Namespace) -> int:
         return 1
     for target in new:
         target.parent.mkdir(parents=True, exist_ok=True)
-    replace_all(new)
+    replace_all(new, within=m.root)
     return 0
 
 

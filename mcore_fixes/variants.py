@@ -27,6 +27,7 @@ from .series import (
     patch_arg,
     patch_text,
 )
+from .vendor import refuse_symlinks, replace_all
 
 CONTEXT_ONLY = "context-only"
 BACKPORT = "backport"
@@ -311,7 +312,8 @@ def graft_tests(
         )  # fmt: skip
     new = git.run(tree, "format-patch", "-1", "HEAD", *git.FORMAT_PATCH_ARGS).stdout
     target = manifest.root / rel
+    refuse_symlinks(target, manifest.root)  # before a folder is made
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(new, encoding="utf-8")
+    replace_all({target: new}, within=manifest.root)
     what = f"tests landed: {', '.join(landed)}"
     return rel, what + (f"; left out: {'; '.join(failed)}" if failed else "")
