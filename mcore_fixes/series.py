@@ -59,8 +59,17 @@ def patch_bytes(path: Path) -> bytes:
     """A patch file's bytes as git wrote them. A file whose every line ends in CRLF was
     converted on checkout (a clone with core.autocrlf=true, before .gitattributes kept patch
     files byte-exact): it is read back with LF. (A patch of a file with CRLF lines has LF
-    headers, so it is never taken for one.)"""
-    return _lf(path.read_bytes())
+    headers, so it is never taken for one.) UserError, in one line, where it cannot be read."""
+    return _lf(_read(path))
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"patch file not found: {path}") from None
+    except OSError as exc:  # a directory, unreadable, ...
+        raise UserError(f"{path}: cannot read the patch file ({exc.strerror})") from None
 
 
 def _lf(data: bytes) -> bytes:
@@ -74,12 +83,8 @@ def patch_text(path: Path) -> str:
     read or is not UTF-8 text."""
     try:
         return patch_bytes(path).decode("utf-8")
-    except FileNotFoundError:
-        raise UserError(f"patch file not found: {path}") from None
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}: not a text patch ({exc.reason} at byte {exc.start})") from None
-    except OSError as exc:  # a directory, unreadable, ...
-        raise UserError(f"{path}: cannot read the patch file ({exc.strerror})") from None
 
 
 _LF_COPIES: dict[str, Path] = {}  # sha256 of the LF bytes -> their copy (see patch_arg)
@@ -97,7 +102,7 @@ def patch_arg(path: Path) -> str:
     """`path` as an argument of `git apply` / `git am`: the file itself, or for a patch file
     checked out with CRLF line ends, a copy with LF (`patch_bytes`) in a private temporary
     folder that is removed when the tool exits."""
-    raw = path.read_bytes()
+    raw = _read(path)
     data = _lf(raw)
     if data == raw:
         return str(path)

@@ -370,7 +370,10 @@ MANIFEST_ERRORS = {
         'same-code-as = ["ok"]\n',
         "baseline x: same-code-as ['ok'] must name a baseline",
     ),
-    "variants-string": ('[baselines.x]\nsame-code-as = "ok"\n', "baseline ok: `variants` must be a table"),
+    "variants-string": (
+        '[baselines.x]\nsame-code-as = "ok"\n',
+        "baseline ok: `variants` must be a table",
+    ),
     "unknown-baseline-key": (
         '[baselines.x]\nsource = "git"\nversion = "1"\ncommit = "'
         + "a" * 40
