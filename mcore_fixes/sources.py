@@ -286,9 +286,10 @@ def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Pro
 
 @contextlib.contextmanager
 def _dir_lock(path: Path, wait: bool = True) -> Iterator[bool]:
-    """An exclusive flock on a directory (no file created); yields whether it was taken."""
+    """An exclusive flock on a directory (no file created); yields whether it was taken. A
+    symlink or anything but a directory (a FIFO would block the open) is never taken."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         yield False
         return

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_bad_input import one_line
+from test_bad_input import needs_pip, one_line
 from toolworld import MAIN, TEST_FILES, git, run_module, snapshot, tree_snapshot, write
 
 SDIST = "megatron_core-0.1.0.tar.gz"
@@ -288,3 +288,23 @@ def test_apply_killed_while_git_writes_the_files_is_undone_by_the_next_run(
     assert r.rc == 1 and "applied but not committed" in r.err
     git(co, "reset", "-q", "--hard")
     assert snapshot(co) == before
+
+
+@needs_pip
+def test_a_link_or_fifo_planted_in_the_cache_is_left_alone(world, tool, tmp_path, monkeypatch):
+    """Others may write the cache: a `.download-*` symlink to a folder of the user is not
+    cleaned up through, and a FIFO there does not hang the download."""
+    cache, mine, links = tmp_path / "cache", tmp_path / "mine", tmp_path / "links"
+    cache.mkdir()
+    links.mkdir()
+    write(mine, "precious.txt", "keep me\n")
+    (cache / ".download-evil").symlink_to(mine)
+    os.mkfifo(cache / ".download-fifo")
+    shutil.copy(world.cache / SDIST, links / SDIST)
+    monkeypatch.setenv("MCORE_FIXES_CACHE", str(cache))
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    project = world.project(tmp_path / "proj", prebuilt=False)
+    r = tool(project, "vendor")
+    assert r.rc == 0, r.err
+    assert (mine / "precious.txt").read_text() == "keep me\n"
+    assert (cache / "sha256" / world.sdist_sha / SDIST).read_bytes() == (links / SDIST).read_bytes()
