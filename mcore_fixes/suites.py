@@ -127,9 +127,10 @@ def materialize(source: Path, dest: Path) -> str:
             changed += 1
             if {"R", "C"} & set(entry[:2]):
                 next(fields, None)  # the rename's source
-    head = git.out(source, "rev-parse", "--short=10", "HEAD")
+    head = git.run(source, "rev-parse", "-q", "--verify", "--short=10", "HEAD", check=False)
     return (
-        f"the work tree {source} as it is: HEAD {head}, {changed} uncommitted change(s), "
+        f"the work tree {source} as it is: HEAD {head.stdout.strip() or '(no commit yet)'}, "
+        f"{changed} uncommitted change(s), "
         f"{untracked} untracked file(s) (ignored files left out)"
     )
 
