@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent
 INFO = ROOT / "megatron" / "core" / "_mcore_fixes.json"
 sys.path.insert(0, str(ROOT))
 from mcore_fixes.errors import UserError  # noqa: E402
-from mcore_fixes.vendor import local_edits  # noqa: E402
+from mcore_fixes.vendor import unexported_edits  # noqa: E402
 
 
 def vendored_info() -> dict:
@@ -40,14 +40,15 @@ def clean_build_dirs() -> None:
 
 
 def local_label() -> str:
-    """`.edited` for a tree with edits not exported into the patches (not what info says)."""
+    """`.edited` for a tree with edits not exported into the patches (not what info says),
+    told from build/vendor.json or, without build/, from the tree's own record."""
     try:
-        edits = local_edits(ROOT)
+        edited = unexported_edits(ROOT)
     except UserError as exc:  # e.g. a corrupt build/vendor.json
         sys.exit(f"mcore-fixes: {exc}")
-    if edits is None:
+    if edited is None:
         sys.exit("mcore-fixes: an interrupted `vendor` left megatron/ half written; vendor again")
-    return ".edited" if edits else ""
+    return ".edited" if edited else ""
 
 
 def package_data(top: Path) -> dict[str, list[str]]:

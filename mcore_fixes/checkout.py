@@ -12,7 +12,7 @@ from . import git, sources
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import conflict_detail, fit, left_out_lines, not_carried, read_patch
+from .series import conflict_detail, fit, left_out_lines, not_carried, patch_arg, read_patch
 
 _RELEASE_BRANCH = re.compile(r"core_r(\d+\.\d+)\.0")  # upstream's release branches
 _VERSION_FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.M)
@@ -24,7 +24,10 @@ def toplevel(path: Path) -> Path:
     proc = git.run(path, "rev-parse", "--show-toplevel", check=False)
     if proc.returncode != 0 or not proc.stdout.strip():
         raise UserError(f"{path} is not a git work tree (a clone or a linked worktree)")
-    return Path(proc.stdout.strip())
+    top = Path(proc.stdout.strip())
+    if not git.ok(top, "rev-parse", "-q", "--verify", "HEAD^{commit}"):
+        raise UserError(f"{top} has no commit yet (an unborn HEAD): check out a Megatron-LM commit")
+    return top
 
 
 def package_version(checkout: Path) -> str:
@@ -136,7 +139,10 @@ def _branch_names(checkout: Path) -> set[str]:
 
 
 STATE_DIR = "mcore-fixes"  # inside the checkout's git dir: scratch index and journal
-JOURNAL = "apply.json"  # {"orig": HEAD before, "new": HEAD after}, while the checkout moves
+# {"orig": HEAD before, "new": the series' commit, "commit": whether HEAD moves too, "backup":
+# the touched files as they were}, while the checkout moves
+JOURNAL = "apply.json"
+BACKUP = "backup"  # beside the journal: the touched files' bytes before the checkout moved
 Todo = list[tuple[str, Path, str, tuple[str, ...]]]  # (patch id, file, text, git apply options)
 APPLY = ("apply", "--whitespace=nowarn")  # the user's apply.whitespace=error is for their diffs
 
@@ -161,6 +167,10 @@ def apply(manifest: Manifest, checkout: Path, b: Baseline, commit: bool) -> list
         state.mkdir(exist_ok=True)
         try:
             report = _apply(manifest, checkout, b, commit, state)
+        except CheckFailed as exc:
+            if recovered:  # said with the refusal, so that it is not lost
+                raise CheckFailed(f"{recovered}; then: {exc}") from None
+            raise
         finally:
             if not (state / JOURNAL).exists():
                 shutil.rmtree(state, ignore_errors=True)
@@ -168,7 +178,7 @@ def apply(manifest: Manifest, checkout: Path, b: Baseline, commit: bool) -> list
 
 
 def _recover(checkout: Path, state: Path) -> str:
-    """Finish (or find undone) an apply that was killed while moving the checkout."""
+    """Finish (or undo) an apply that was killed while moving the checkout."""
     journal = state / JOURNAL
     if not journal.exists():
         shutil.rmtree(state, ignore_errors=True)  # a scratch index of a killed check
@@ -176,19 +186,30 @@ def _recover(checkout: Path, state: Path) -> str:
     try:  # written (atomically) before the checkout moves: unreadable means it never moved
         record = json.loads(journal.read_text())
         orig, new = str(record["orig"]), str(record["new"])
-    except (ValueError, KeyError, TypeError):
-        orig = new = ""
+        commit, backup = bool(record.get("commit", True)), list(record.get("backup", []))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        orig, new, commit, backup = "", "", True, []
     head = git.out(checkout, "rev-parse", "HEAD")
     index_tree = git.run(checkout, "write-tree", check=False).stdout.strip()
     new_tree = git.run(checkout, "rev-parse", "-q", "--verify", f"{new}^{{tree}}", check=False)
     new_tree = new_tree.stdout.strip() if new else ""
     what = "an interrupted apply was undone before it changed anything"
     with git.signals_held():
-        if new_tree and head == orig and index_tree == new_tree:  # between the two steps
-            git.run(checkout, "update-ref", "-m", "mcore_fixes apply", "HEAD", new, orig)
-            what = "an interrupted apply was completed"
+        if new_tree and head == orig and index_tree == new_tree:  # git's step was done
+            if commit:
+                git.run(checkout, "update-ref", "-m", "mcore_fixes apply", "HEAD", new, orig)
+                what = "an interrupted apply was completed"
+            else:
+                what = "an interrupted apply --no-commit had completed"
         elif new and head == new:
             what = "an interrupted apply had completed"
+        elif head == orig and backup:  # killed while git wrote the files: put them back
+            kept = _restore(checkout, state, orig, new, backup)
+            what = "an interrupted apply was undone"
+            if kept:
+                what += f" (changed since, left as they are: {', '.join(kept)})"
+        elif head != orig:
+            what = "an interrupted apply was found, but HEAD has moved since: left as it is"
         journal.unlink()
     shutil.rmtree(state, ignore_errors=True)
     return what
@@ -222,7 +243,7 @@ def _apply(
             report.append((p.id, "already applied"))
             continue
         opts, left_out = fit(checkout, path, "--cached", env=env) or ((), {})
-        proc = git.run(checkout, *APPLY, "--cached", *opts, str(path), check=False, env=env)
+        proc = git.run(checkout, *APPLY, "--cached", *opts, patch_arg(path), check=False, env=env)
         if proc.returncode != 0 and p.id in b.fixed_upstream:  # the rest of the series goes on
             report.append((p.id, f"fixed upstream ({b.fixed_upstream[p.id]}), skipped"))
             continue
@@ -239,6 +260,7 @@ def _apply(
 
     touched = sorted({t for _, _, text, _ in todo for t in git.touched_paths(text)})
     new = _commit_chain(checkout, orig, todo, state)  # objects only: the checkout is untouched
+    _refuse_what_is_in_the_way(checkout, orig, new, touched)
     dirty = git.out(checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched)
     if dirty:
         if _staged(checkout, new, touched):
@@ -255,18 +277,17 @@ def _apply(
     if commit and not git.ok(checkout, "diff", "--cached", "--quiet"):
         raise CheckFailed(f"{checkout} has staged changes; commit or unstage them first")
 
-    if not commit:  # the series' tree into the index and work tree, in one step; HEAD stays
-        with git.signals_held():
-            proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
-        if proc.returncode != 0:
-            raise CheckFailed(f"git failed, {checkout} left unchanged: {proc.stderr.strip()}")
-        return _ordered(manifest, report, todo, "staged in the index and work tree (not committed)")
-
-    (state / "journal.tmp").write_text(json.dumps({"orig": orig, "new": new}) + "\n")
+    # The series' tree into the index and work tree in one step (`read-tree -m -u`), then HEAD
+    # (unless --no-commit). Journaled with the touched files' bytes: if git fails partway (a
+    # failing smudge filter, a full disk) or the run is killed, they are put back.
+    backup = _backup(checkout, state, touched)
+    (state / "journal.tmp").write_text(
+        json.dumps({"orig": orig, "new": new, "commit": commit, "backup": backup}) + "\n"
+    )
     os.replace(state / "journal.tmp", state / JOURNAL)
     with git.signals_held():
         proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
-        if proc.returncode == 0:
+        if proc.returncode == 0 and commit:
             ref = git.run(
                 checkout, "update-ref", "-m", "mcore_fixes apply", "HEAD", new, orig, check=False
             )
@@ -275,10 +296,154 @@ def _apply(
                 proc = ref
             else:  # as `git am` does: `git reset --hard ORIG_HEAD` undoes the series
                 git.run(checkout, "update-ref", "ORIG_HEAD", orig, check=False)
+        kept = _restore(checkout, state, orig, new, backup) if proc.returncode != 0 else []
         (state / JOURNAL).unlink()
     if proc.returncode != 0:
-        raise CheckFailed(f"{checkout} left unchanged: git failed: {proc.stderr.strip()}")
+        why = _git_error(proc.stderr)
+        if kept:
+            raise CheckFailed(
+                f"git failed ({why}) and {checkout} could not be put back fully: "
+                f"{', '.join(kept)} changed meanwhile; check them with `git status`"
+            )
+        raise CheckFailed(f"{checkout} left unchanged: git failed: {why}")
+    if not commit:
+        return _ordered(manifest, report, todo, "staged in the index and work tree (not committed)")
     return _ordered(manifest, report, todo, "committed")
+
+
+def _git_error(stderr: str) -> str:
+    """git's reason in one line: its `fatal:` line, else its last line."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    fatal = [ln for ln in lines if ln.startswith("fatal:")]
+    return (fatal or lines or ["no message"])[-1]
+
+
+def _refuse_what_is_in_the_way(checkout: Path, orig: str, new: str, touched: list[str]) -> None:
+    """Refuse (as `git am` does) where a file the series creates exists untracked or ignored,
+    or a directory on its way is a symlink or a file: git would overwrite or write through it."""
+    tracked = set(_nul(git.run(checkout, "ls-files", "-z", "--", *touched).stdout))
+    tracked |= set(
+        _nul(git.run(checkout, "ls-tree", "-r", "-z", "--name-only", orig, "--", *touched).stdout)
+    )
+    created = [
+        rel
+        for rel in _nul(
+            git.run(checkout, "ls-tree", "-r", "-z", "--name-only", new, "--", *touched).stdout
+        )
+        if rel not in tracked
+    ]
+    for rel in created:
+        parts = rel.split("/")
+        for i in range(1, len(parts)):
+            up = checkout.joinpath(*parts[:i])
+            if up.is_symlink() or (up.exists() and not up.is_dir()):
+                kind = "a symlink" if up.is_symlink() else "a file"
+                raise CheckFailed(
+                    f"{checkout}: the series creates {rel}, but {'/'.join(parts[:i])} is {kind} "
+                    "here (git would write through it or replace it); move it away first "
+                    "(nothing was changed)"
+                )
+        if os.path.lexists(checkout / rel):
+            ignored = git.ok(checkout, "check-ignore", "-q", "--no-index", "--", rel)
+            raise CheckFailed(
+                f"{checkout}: the series creates {rel}, which exists here "
+                f"({'ignored' if ignored else 'untracked'}); move it away first (nothing was "
+                "changed)"
+            )
+
+
+def _nul(text: str) -> list[str]:
+    return [p for p in text.split("\0") if p]
+
+
+def _backup(checkout: Path, state: Path, touched: list[str]) -> list[dict]:
+    """The touched files as they are (bytes in state/backup/, mode, or absent), and the
+    directories the series would create, so that `_restore` can put them back."""
+    folder = state / BACKUP
+    folder.mkdir()
+    entries: list[dict] = []
+    for n, rel in enumerate(touched):
+        path = checkout / rel
+        entry: dict = {"path": rel}
+        if path.is_symlink():
+            entry["link"] = os.readlink(path)
+        elif path.is_file():
+            shutil.copyfile(path, folder / str(n))
+            entry |= {"file": str(n), "mode": path.stat().st_mode & 0o7777}
+        else:
+            parent = path.parent
+            missing = []
+            while parent != checkout and not os.path.lexists(parent):
+                missing.append(parent.relative_to(checkout).as_posix())
+                parent = parent.parent
+            entry["dirs"] = missing
+        entries.append(entry)
+    return entries
+
+
+def _restore(checkout: Path, state: Path, orig: str, new: str, backup: list[dict]) -> list[str]:
+    """Put the touched files back as `_backup` saw them, where they are still what the tool
+    wrote (the series' content, or missing); a file changed since otherwise is left as it is
+    and returned. The index goes back to `orig` if git left it elsewhere."""
+    blobs = {}
+    listing = git.run(checkout, "ls-tree", "-r", "-z", new, "--", *[e["path"] for e in backup])
+    for line in _nul(listing.stdout):
+        meta, _, rel = line.partition("\t")
+        blobs[rel] = meta.split()[-1]
+    kept: list[str] = []
+    dirs: set[str] = set()
+    for entry in backup:
+        rel, path = entry["path"], checkout / entry["path"]
+        dirs.update(entry.get("dirs", []))
+        if _same(path, entry, state):
+            continue
+        if os.path.lexists(path) and not _written_by_git(checkout, rel, path, blobs.get(rel)):
+            kept.append(rel)
+            continue
+        if os.path.lexists(path) or path.is_symlink():
+            path.unlink()
+        if "link" in entry:
+            os.symlink(entry["link"], path)
+        elif "file" in entry:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(state / BACKUP / entry["file"], path)
+            path.chmod(entry["mode"])
+    for rel in sorted(dirs, key=len, reverse=True):  # the ones git made, if left empty
+        try:
+            (checkout / rel).rmdir()
+        except OSError:
+            pass
+    orig_tree = git.out(checkout, "rev-parse", f"{orig}^{{tree}}")
+    if git.run(checkout, "write-tree", check=False).stdout.strip() != orig_tree:
+        git.run(checkout, "read-tree", orig, check=False)
+    git.run(checkout, "update-index", "-q", "--refresh", check=False)
+    return kept
+
+
+def _same(path: Path, entry: dict, state: Path) -> bool:
+    """Whether `path` is as the backup `entry` recorded it."""
+    if "link" in entry:
+        return path.is_symlink() and os.readlink(path) == entry["link"]
+    if "file" in entry:
+        return (
+            path.is_file()
+            and not path.is_symlink()
+            and path.read_bytes() == (state / BACKUP / entry["file"]).read_bytes()
+            and path.stat().st_mode & 0o7777 == entry["mode"]
+        )
+    return not os.path.lexists(path)
+
+
+def _written_by_git(checkout: Path, rel: str, path: Path, blob: str | None) -> bool:
+    """Whether the file at `path` is the series' blob (as git writes it, with or without the
+    checkout's filters)."""
+    if blob is None or path.is_symlink() or not path.is_file():
+        return False
+    for args in (("--no-filters",), (f"--path={rel}",)):
+        proc = git.run(checkout, "hash-object", *args, "--", patch_arg(path), check=False)
+        if proc.returncode == 0 and proc.stdout.strip() == blob:
+            return True
+    return False
 
 
 def _staged(checkout: Path, new: str, touched: list[str]) -> bool:
@@ -307,7 +472,7 @@ def _contained_prefix(
             found = fit(checkout, path, "--cached", "-R", env=env, whole=whole)
             opts = found[0] if found is not None else ()
             if found is not None and git.ok(
-                checkout, *APPLY, "--cached", "-R", *opts, str(path), env=env
+                checkout, *APPLY, "--cached", "-R", *opts, patch_arg(path), env=env
             ):
                 undone.add(patch_id)
             elif patch_id not in b.fixed_upstream:
@@ -331,7 +496,7 @@ def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
         fields = dict(line.split(": ", 1) for line in info.splitlines() if ": " in line)
         body = f"{fields.get('Subject', '')}\n\n{msg.read_text(encoding='utf-8')}"
         message = git.run(checkout, "stripspace", input=body.encode()).stdout
-        git.run(checkout, *APPLY, "--cached", *opts, str(path), env=index)
+        git.run(checkout, *APPLY, "--cached", *opts, patch_arg(path), env=index)
         tree = git.out(checkout, "write-tree", env=index)
         author = {
             "GIT_AUTHOR_NAME": fields.get("Author", ""),

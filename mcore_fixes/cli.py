@@ -32,6 +32,7 @@ from .series import (
 from .vendor import (
     INFO_NAME,
     export,
+    refuse_symlinks,
     replace_all,
     series_hashes,
     vendor,
@@ -206,8 +207,9 @@ def cmd_regen(args: argparse.Namespace) -> int:
             print(f"  nothing written: {failed} variant(s) failed (the others stay as they were)")
         return 1
     for target in new:
+        refuse_symlinks(target, m.root)  # before a folder is made
         target.parent.mkdir(parents=True, exist_ok=True)
-    replace_all(new)
+    replace_all(new, within=m.root)
     return 0
 
 

@@ -669,6 +669,13 @@ def lint_patches(
     from . import stack  # noqa: PLC0415
     from .series import APPLIES, CONFLICT, MISSING, apply_series, read_patch  # noqa: PLC0415
 
+    for b in baselines if mcore_repo is not None else []:  # its checks read that commit
+        if b.is_git and not git.ok(mcore_repo, "cat-file", "-e", f"{b.commit}^{{commit}}"):
+            raise UserError(
+                f"commit {b.commit} ({b.name}) is not in {mcore_repo}, so upstream's checks "
+                f"cannot run on {b.name}: run `git fetch --tags origin` there (or leave "
+                "--mcore-repo out: the api and pylint checks are then skipped, and said so)"
+            )
     failed = 0
     python: str | None = None
     tests_python = python_tests or sys.executable

@@ -105,6 +105,35 @@ class Manifest:
 
 _SHARED = ("variants", "absent", "fixed-upstream", "backports")
 
+# Every key the manifest may use, in one place: add a key here where the loader reads it. Any
+# other key is refused by name (a typo such as `varients` would otherwise be ignored silently).
+TOP_KEYS = frozenset({"canonical", "default", "patch", "baselines"})
+PATCH_KEYS = frozenset({"id", "file", "fix", "requires", "proof", "upstream-commit"})
+BASELINE_KEYS = frozenset(
+    {"source", "version", "sha256", "ref", "commit", "python", "same-code-as", *_SHARED}
+)
+
+
+def _known_keys(entry: dict, known: frozenset[str], where: str) -> None:
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise UserError(
+            f"{where}: unknown key {unknown[0]!r} (known keys: {', '.join(sorted(known))})"
+        )
+
+
+def _tables(entry: dict, where: str) -> dict[str, dict[str, str]]:
+    """The baseline's `variants`, `absent`, ... tables (patch id -> text), each checked."""
+    tables: dict[str, dict[str, str]] = {}
+    for key in _SHARED:
+        value = entry.get(key, {})
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise UserError(
+                f'{where}: `{key}` must be a table of patch id = "text" entries, not {value!r}'
+            )
+        tables[key] = value
+    return tables
+
 
 def _str_list(value: object) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -161,9 +190,13 @@ def load(path: Path) -> Manifest:
         raise UserError(f"{path}: `patch` must be an array of tables ([[patch]] entries)")
     if not isinstance(tables, dict) or not all(isinstance(e, dict) for e in tables.values()):
         raise UserError(f"{path}: `baselines` must hold one table per baseline")
+    _known_keys(data, TOP_KEYS, str(path))
     patches: list[Patch] = []
     for entry in entries:
+        _known_keys(entry, PATCH_KEYS, f"{path}: patch {entry.get('id', '(no id)')}")
         try:
+            if not isinstance(entry["id"], str) or not entry["id"]:
+                raise ValueError(f"id {entry['id']!r} must be a non-empty string")
             patch = Patch(
                 id=entry["id"],
                 file=_rel_file(entry["file"]),
@@ -185,18 +218,18 @@ def load(path: Path) -> Manifest:
     ids = {p.id for p in patches}
     baselines: dict[str, Baseline] = {}
     for name, entry in tables.items():
+        _known_keys(entry, BASELINE_KEYS, f"{path}: baseline {name}")
+        own = _tables(entry, f"{path}: baseline {name}")
         shared = entry.get("same-code-as", "")
         if shared:  # the variants etc. of that baseline, then this one's own entries
-            base = tables.get(shared)
+            base = tables.get(shared) if isinstance(shared, str) else None
             if base is None or base.get("same-code-as"):
                 raise UserError(
                     f"{path}: baseline {name}: same-code-as {shared!r} must name a baseline "
                     "that has its own variants (no chains)"
                 )
-            entry = {
-                **entry,
-                **{k: {**dict(base.get(k, {})), **dict(entry.get(k, {}))} for k in _SHARED},
-            }
+            theirs = _tables(base, f"{path}: baseline {shared}")
+            entry = {**entry, **{k: {**theirs[k], **own[k]} for k in _SHARED}}
         source = entry.get("source")
         try:
             b = Baseline(
@@ -230,15 +263,27 @@ def load(path: Path) -> Manifest:
             raise UserError(f"{path}: baseline {name} names unknown patches {sorted(unknown)}")
         baselines[name] = b
 
-    raw_default = data.get("default", "")
-    defaults = tuple(raw_default) if isinstance(raw_default, list) else (str(raw_default),)
-    for name in (data.get("canonical", ""), *defaults):
+    raw_default, canonical = data.get("default", ""), data.get("canonical", "")
+    if isinstance(raw_default, str):
+        defaults: tuple[str, ...] = (raw_default,)
+    elif raw_default and isinstance(raw_default, list):
+        defaults = tuple(raw_default)
+    else:
+        defaults = ()
+    if not defaults or not all(isinstance(d, str) for d in defaults):
+        raise UserError(
+            f"{path}: `default` must name a baseline, or list baselines in order of preference "
+            f"(not {raw_default!r})"
+        )
+    if not isinstance(canonical, str):
+        raise UserError(f"{path}: `canonical` must name a baseline (not {canonical!r})")
+    for name in (canonical, *defaults):
         if name not in baselines:
             known = ", ".join(baselines)
             raise UserError(f"{path}: unknown baseline {name!r}; known baselines: {known}")
     manifest = Manifest(
         root=path.parent,
-        canonical=data.get("canonical", ""),
+        canonical=canonical,
         default="",
         patches=tuple(patches),
         baselines=baselines,

@@ -36,6 +36,7 @@ from .series import (
     Cell,
     apply_series,
     diff_sha256,
+    patch_arg,
     read_patch,
     test_files,
 )
@@ -339,7 +340,7 @@ def prove_baseline(
         else:
             parent, commit = states[cell.patch] if alone else (_parent(tree, cell), cell.commit)
             _checkout(tree, parent)
-            git.run(tree, "apply", "--include=tests/*", str(path))
+            git.run(tree, "apply", "--include=tests/*", patch_arg(path))
             progress.step(f"{b.name} {cell.patch}: tests without the fix")
             before = run_tests(tree, tests, python)
             _checkout(tree, commit)

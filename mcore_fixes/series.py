@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import re
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,16 +55,68 @@ class Cell:
         return data
 
 
-def read_patch(path: Path) -> str:
-    """Read a patch file and check its shape; UserError for corrupt or out-of-scope patches."""
+def patch_bytes(path: Path) -> bytes:
+    """A patch file's bytes as git wrote them. A file whose every line ends in CRLF was
+    converted on checkout (a clone with core.autocrlf=true, before .gitattributes kept patch
+    files byte-exact): it is read back with LF. (A patch of a file with CRLF lines has LF
+    headers, so it is never taken for one.) UserError, in one line, where it cannot be read."""
+    return _lf(_read(path))
+
+
+def _read(path: Path) -> bytes:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"patch file not found: {path}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: not a text patch") from None
     except OSError as exc:  # a directory, unreadable, ...
         raise UserError(f"{path}: cannot read the patch file ({exc.strerror})") from None
+
+
+def _lf(data: bytes) -> bytes:
+    if b"\r\n" in data and data.count(b"\n") == data.count(b"\r\n"):
+        return data.replace(b"\r\n", b"\n")
+    return data
+
+
+def patch_text(path: Path) -> str:
+    """A patch file's text (`patch_bytes`, UTF-8); UserError, in one line, where it cannot be
+    read or is not UTF-8 text."""
+    try:
+        return patch_bytes(path).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not a text patch ({exc.reason} at byte {exc.start})") from None
+
+
+_LF_COPIES: dict[str, Path] = {}  # sha256 of the LF bytes -> their copy (see patch_arg)
+_LF_LOCK = threading.Lock()
+
+
+@functools.cache
+def _lf_folder() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="mcore-fixes-lf-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def patch_arg(path: Path) -> str:
+    """`path` as an argument of `git apply` / `git am`: the file itself, or for a patch file
+    checked out with CRLF line ends, a copy with LF (`patch_bytes`) in a private temporary
+    folder that is removed when the tool exits."""
+    raw = _read(path)
+    data = _lf(raw)
+    if data == raw:
+        return str(path)
+    key = hashlib.sha256(data).hexdigest()
+    with _LF_LOCK:
+        if key not in _LF_COPIES:
+            _LF_COPIES[key] = _lf_folder() / f"{key[:16]}-{path.name}"
+            _LF_COPIES[key].write_bytes(data)
+        return str(_LF_COPIES[key])
+
+
+def read_patch(path: Path) -> str:
+    """Read a patch file and check its shape; UserError for corrupt or out-of-scope patches."""
+    text = patch_text(path)
     paths = git.touched_paths(text)
     if not paths:
         raise UserError(f"{path}: corrupt patch: no `diff --git` section found")
@@ -147,27 +202,24 @@ def fit(
     only if all of it reverse-applies).
     """
     apply = ("apply", "--whitespace=nowarn", *args)
+    arg = patch_arg(path)
     if whole:
-        return ((), {}) if git.ok(repo, *apply, "--check", str(path), env=env) else None
-    try:  # cheaply: the callers check it with read_patch()
-        tests = test_files(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError):
-        read_patch(path)  # says what is wrong with it, in one line
-        raise
-    code = (*apply, "--check", *NO_TESTS_OPTS, str(path))
+        return ((), {}) if git.ok(repo, *apply, "--check", arg, env=env) else None
+    tests = test_files(patch_text(path))  # cheaply: the callers check it with read_patch()
+    code = (*apply, "--check", *NO_TESTS_OPTS, arg)
     if "-R" in args and tests and not git.ok(repo, *code, env=env):
         return None  # the usual answer backwards (not applied yet): one git call
-    if git.ok(repo, *apply, "--check", str(path), env=env):
+    if git.ok(repo, *apply, "--check", arg, env=env):
         return (), {}
     if not tests or ("-R" not in args and not git.ok(repo, *code, env=env)):
         return None
     left_out: dict[str, str] = {}
     for rel in tests:
-        one = git.run(repo, *apply, "--check", f"--include={rel}", str(path), check=False, env=env)
+        one = git.run(repo, *apply, "--check", f"--include={rel}", arg, check=False, env=env)
         if one.returncode != 0:
             left_out[rel] = conflict_detail(one.stderr)
     opts = tuple(f"--exclude={rel}" for rel in left_out)
-    if not left_out or not git.ok(repo, *apply, "--check", *opts, str(path), env=env):
+    if not left_out or not git.ok(repo, *apply, "--check", *opts, arg, env=env):
         return None
     return opts, left_out
 
@@ -254,10 +306,10 @@ def apply_series(
         if missing:
             cell.detail = f"requires {', '.join(missing)}, which did not apply"
             continue
-        text = read_patch(path)
+        text, arg = read_patch(path), patch_arg(path)
         opts: tuple[str, ...] = ()
         excluded: dict[str, str] = {}
-        if no_tests and not git.ok(tree, "apply", "--check", str(path)):
+        if no_tests and not git.ok(tree, "apply", "--check", arg):
             # Upstream's tests are not in this tree: take the patch's code only, so a patch may
             # edit upstream's existing test files (our CPU proofs live in tests/proofs/).
             opts, excluded = NO_TESTS_OPTS, dict.fromkeys(test_files(text), NO_TESTS_WHY)
@@ -266,14 +318,14 @@ def apply_series(
         if not no_tests:
             excluded = {**excluded, **not_carried(manifest, p, path, text)}
         if (
-            git.ok(tree, "apply", "-R", "--check", *opts, str(path))
+            git.ok(tree, "apply", "-R", "--check", *opts, arg)
             if no_tests
             else fit(tree, path, "-R", whole=p.id in b.fixed_upstream) is not None
         ):
             cell.state, cell.detail = UPSTREAM, "reverse-applies: already in this baseline"
             good.add(p.id)
             continue
-        check = git.run(tree, "apply", "--check", *opts, str(path), check=False)
+        check = git.run(tree, "apply", "--check", *opts, arg, check=False)
         if check.returncode != 0:
             cell.detail = conflict_detail(check.stderr)
             if p.id in b.fixed_upstream:  # skipped, the rest of the series goes on
@@ -281,7 +333,7 @@ def apply_series(
                 cell.detail = f"Applied-Upstream: {b.fixed_upstream[p.id]} (patch {cell.detail})"
                 good.add(p.id)
             continue
-        git.run(tree, "am", "-q", "--keep-cr", *opts, str(path), env=git.TOOL_IDENTITY)
+        git.run(tree, "am", "-q", "--keep-cr", *opts, arg, env=git.TOOL_IDENTITY)
         cell.excluded = excluded
         cell.state = APPLIES
         cell.commit = git.out(tree, "rev-parse", "HEAD")

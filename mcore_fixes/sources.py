@@ -15,6 +15,7 @@ import io
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -53,12 +54,26 @@ def mcore_repo_from(option: str | None) -> Path | None:
     return path
 
 
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+MAX_SDIST = 256 << 20  # bytes; MCore's sdists are a few MB
+
+
+def read_regular(path: Path) -> bytes | None:
+    """The bytes of the regular file at `path`, read through one descriptor (what is checked
+    is what is used: the path is never opened again); None where it is not a regular file or
+    is larger than MAX_SDIST. Opened non-blocking, so that a FIFO put there cannot hang us."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = f.read(MAX_SDIST + 1)
+    return data if len(data) <= MAX_SDIST else None
+
+
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def sdist_name(b: Baseline) -> str:
@@ -69,8 +84,10 @@ def sdist_name(b: Baseline) -> str:
 PIP_TARGET_PYTHON = "3.12"
 
 
-def fetch_sdist(b: Baseline, progress: Progress) -> Path:
-    """The verified sdist of a PyPI baseline, from the cache or downloaded with pip.
+def fetch_sdist(b: Baseline, progress: Progress) -> tuple[Path, bytes]:
+    """The verified sdist of a PyPI baseline, from the cache or downloaded with pip: where it
+    was found, and its bytes, read once and checked against the pin (the caller extracts these
+    bytes, never the file again: the cache may be writable by others, MCORE_FIXES_CACHE).
 
     The cache is keyed by hash: `<cache>/sha256/<pin>/<name>`, plus `<cache>/<name>` where a
     user placed it by hand. A file whose hash is not the pin is ignored, never deleted or
@@ -81,10 +98,11 @@ def fetch_sdist(b: Baseline, progress: Progress) -> Path:
     target = cache / "sha256" / b.sha256 / sdist_name(b)
     ignored = ""
     for candidate in (target, cache / sdist_name(b)):
-        if candidate.is_file():
-            actual = sha256_of(candidate)
+        data = read_regular(candidate) if candidate.is_file() else None
+        if data is not None:
+            actual = sha256_of(data)
             if actual == b.sha256:
-                return candidate
+                return candidate, data
             ignored = f"the cached {candidate} has sha256 {actual}, not the pin; left alone. "
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -111,6 +129,7 @@ def fetch_sdist(b: Baseline, progress: Progress) -> Path:
             env=pip_env(),
         )
         got = dest / sdist_name(b)
+        data = read_regular(got) or b""
         output = proc.stderr + proc.stdout
         if "DO NOT MATCH THE HASHES" in output:
             m = re.search(r"Got\s+([0-9a-f]{64})", output)
@@ -119,16 +138,38 @@ def fetch_sdist(b: Baseline, progress: Progress) -> Path:
                 f"{m.group(1) if m else 'other bytes'}, the manifest pins {b.sha256}; the "
                 "download was discarded before anything in it ran"
             )
-        if proc.returncode != 0 or not got.is_file() or sha256_of(got) != b.sha256:
+        if proc.returncode != 0 or sha256_of(data) != b.sha256:
             tail = output.strip().splitlines()[-3:]
             raise UserError(
                 f"{ignored}could not download megatron-core=={b.version} from the package "
                 f"index (is it reachable?): {' / '.join(tail)}. Offline, place {sdist_name(b)} "
                 f"(sha256 {b.sha256}) in the cache {cache} (or set MCORE_FIXES_CACHE)."
             )
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(got, target)
-    return target
+        verified = Path(tmp) / "verified"  # our own folder (mode 0700): the bytes checked
+        verified.write_bytes(data)
+        _store(verified, cache, ("sha256", b.sha256, sdist_name(b)))
+    return target, data
+
+
+def _store(src: Path, cache: Path, parts: tuple[str, ...]) -> None:
+    """Move `src` to cache/parts..., never through a symlink (the cache may be writable by
+    others); where one is in the way, the file is not cached (it was used all the same)."""
+    try:
+        fd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        for part in parts[:-1]:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, dir_fd=fd)
+            sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        os.replace(src, parts[-1], dst_dir_fd=fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def pip_env() -> dict[str, str]:
@@ -209,10 +250,10 @@ def safe_extract(archive: tarfile.TarFile, dest: Path, strip: int, keep: tuple[s
 def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Progress) -> str:
     """Write the baseline's files into `dest`; return the pin that identifies them."""
     if b.source == "pypi":
-        sdist = fetch_sdist(b, progress)
+        sdist, data = fetch_sdist(b, progress)
         progress.step(f"extracting {sdist.name}")
-        try:
-            with tarfile.open(sdist, "r:gz") as tar:
+        try:  # the bytes checked against the pin, not the file again
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
                 safe_extract(tar, dest, strip=1, keep=("megatron/core", "pyproject.toml"))
         except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
             raise UserError(f"{sdist} is not a readable .tar.gz archive ({exc})") from None
@@ -245,9 +286,10 @@ def _materialize(b: Baseline, dest: Path, mcore_repo: Path | None, progress: Pro
 
 @contextlib.contextmanager
 def _dir_lock(path: Path, wait: bool = True) -> Iterator[bool]:
-    """An exclusive flock on a directory (no file created); yields whether it was taken."""
+    """An exclusive flock on a directory (no file created); yields whether it was taken. A
+    symlink or anything but a directory (a FIFO would block the open) is never taken."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         yield False
         return
@@ -284,13 +326,25 @@ def project_lock(root: Path, progress: Progress) -> Iterator[None]:
 
 
 def cached(b: Baseline, trees: Path) -> bool:
-    """Whether the pristine tree of `b` is already materialized (usable without a checkout)."""
-    pin_file = trees / b.name / ".git" / PIN_FILE
-    return pin_file.exists() and pin_file.read_text().strip() == b.pin
+    """Whether the pristine tree of `b` is already materialized (usable without a checkout):
+    its pin file names `b`'s pin and the git tree it was built with (from the verified
+    source), and its `pristine` tag is still that tree. Else it is built again: a tree made
+    by an earlier version of the tool (its pin file names no tree) or changed since is never
+    vendored under the pin."""
+    tree = trees / b.name
+    try:
+        recorded = (tree / ".git" / PIN_FILE).read_text().split()
+    except OSError:
+        return False
+    if len(recorded) != 3 or recorded[:2] != [b.pin, "tree"]:
+        return False
+    found = git.run(tree, "rev-parse", "-q", "--verify", "pristine^{tree}", check=False)
+    return found.returncode == 0 and found.stdout.strip() == recorded[2]
 
 
 def pristine_tree(b: Baseline, trees: Path, mcore_repo: Path | None, progress: Progress) -> Path:
-    """The baseline's pristine tree repository, built once and reused while its pin matches."""
+    """The baseline's pristine tree repository, built once and reused while its pin and its
+    recorded git tree match (`cached`)."""
     tree = trees / b.name
     if cached(b, trees):
         return tree
@@ -307,6 +361,8 @@ def pristine_tree(b: Baseline, trees: Path, mcore_repo: Path | None, progress: P
         env = git.TOOL_IDENTITY
         git.run(tmp, "commit", "-q", "--no-verify", "-m", f"pristine {b.name}", env=env)
         git.run(tmp, "tag", "pristine")
+        built = git.out(tmp, "rev-parse", "pristine^{tree}")
+        (tmp / ".git" / PIN_FILE).write_text(f"{pin}\ntree {built}\n")
         if tree.exists():  # renamed away first: a kill never leaves half a tree with its pin
             os.replace(tree, trees / f".{b.name}.retired")
         os.replace(tmp, tree)

@@ -34,7 +34,15 @@ from pathlib import Path
 
 from . import git
 from .manifest import Baseline, Manifest
-from .series import APPLIES, NO_TESTS_OPTS, Cell, conflict_detail, read_patch, test_files
+from .series import (
+    APPLIES,
+    NO_TESTS_OPTS,
+    Cell,
+    conflict_detail,
+    patch_arg,
+    read_patch,
+    test_files,
+)
 
 ZERO = re.compile(r"^0+$")
 _INDEX = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: \d+)?$")
@@ -197,7 +205,7 @@ class _Index:
         git.run(self.tree, "read-tree", "pristine", env=self.env)
 
     def apply(self, path: Path, opts: tuple[str, ...], check: bool = False):
-        args = ("apply", "--cached", *(("--check",) if check else ()), *opts, str(path))
+        args = ("apply", "--cached", *(("--check",) if check else ()), *opts, patch_arg(path))
         return git.run(self.tree, *args, check=False, env=self.env)
 
     def stack(self, files: list[tuple[Path, tuple[str, ...]]]) -> str:

@@ -21,7 +21,6 @@ The three runs go in parallel (separate ports; N=1 each on a single-GPU machine)
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ import sys
 import tarfile
 import time
 import xml.etree.ElementTree as ET
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,28 +90,49 @@ TE_GUARD = (
 )
 
 
-def materialize(source: Path, dest: Path) -> None:
-    """Copy a full checkout (work tree or .tar[.gz]) into `dest` (a fresh directory)."""
+def materialize(source: Path, dest: Path) -> str:
+    """Copy a full checkout (work tree or .tar[.gz]) into `dest` (a fresh directory); return
+    what was copied, in words. A git work tree is copied as it is: its tracked files with
+    their uncommitted changes, and its untracked files that git does not ignore."""
     dest.mkdir(parents=True)
     if source.is_file():  # the checkout's content: `tar -C CHECKOUT -czf X.tar.gz .`
-        with tarfile.open(source) as tar:
-            tar.extractall(dest, filter="data")
+        try:
+            with tarfile.open(source) as tar:
+                tar.extractall(dest, filter="data")
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
+            why = str(exc).splitlines()[0].rstrip(":")  # tarfile lists each method tried
+            raise UserError(f"{source} is not a readable tarball of a checkout ({why})") from None
         if not (dest / "megatron").is_dir():
             raise UserError(f"{source}: no megatron/ at the top of the archive")
-        return
+        return f"the tarball {source}"
     if not source.is_dir():
         raise UserError(f"{source}: neither a checkout directory nor a tarball")
-    if git.ok(source, "rev-parse", "--is-inside-work-tree"):
-        archive = subprocess.run(
-            [git.git_exe(), "-C", str(source), "archive", "--format=tar", "HEAD"],
-            capture_output=True,
-        )
-        if archive.returncode != 0:
-            raise UserError(f"git archive failed in {source}: {archive.stderr.decode().strip()}")
-        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-            tar.extractall(dest, filter="data")
-        return
-    shutil.copytree(source, dest, dirs_exist_ok=True, symlinks=True)
+    if not git.ok(source, "rev-parse", "--is-inside-work-tree"):
+        shutil.copytree(source, dest, dirs_exist_ok=True, symlinks=True)
+        return f"the folder {source}"
+    listing = git.run(source, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    for rel in sorted({p for p in listing.stdout.split("\0") if p}):
+        src = source / rel
+        if src.is_symlink() or src.is_file():  # not a submodule's folder (nor git archive)
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel, follow_symlinks=False)
+    fields = iter(
+        git.run(source, "status", "--porcelain", "-z", "--untracked-files=all").stdout.split("\0")
+    )
+    changed = untracked = 0
+    for entry in fields:
+        if entry.startswith("??"):
+            untracked += 1
+        elif entry:
+            changed += 1
+            if {"R", "C"} & set(entry[:2]):
+                next(fields, None)  # the rename's source
+    head = git.run(source, "rev-parse", "-q", "--verify", "--short=10", "HEAD", check=False)
+    return (
+        f"the work tree {source} as it is: HEAD {head.stdout.strip() or '(no commit yet)'}, "
+        f"{changed} uncommitted change(s), "
+        f"{untracked} untracked file(s) (ignored files left out)"
+    )
 
 
 def guard_te_imports(tree: Path, files: list[str]) -> list[str]:
@@ -223,7 +244,7 @@ def torchrun(python: str) -> list[str]:
     return [str(exe)] if exe.exists() else [python, "-m", "torch.distributed.run"]
 
 
-def _prepare(work: Path, source: Path, m: Manifest, b: Baseline, say) -> tuple[Path, list, dict]:
+def _prepare(work: Path, source: Path, m: Manifest, b: Baseline, say) -> tuple[str, list, dict]:
     if work.exists():
         for wt in STATES:
             if (work / wt).exists():
@@ -231,7 +252,8 @@ def _prepare(work: Path, source: Path, m: Manifest, b: Baseline, say) -> tuple[P
         shutil.rmtree(work)
     repo = work / "repo"
     say(f"copying {source} into {repo}")
-    materialize(source, repo)
+    tested = materialize(source, repo)
+    say(f"pristine is {tested}")
     git.run(repo, "init", "-q", env=git.NEUTRAL_CONFIG)
     (repo / ".git" / git.TOOL_TREE_MARKER).write_text(f"suites {b.name}\n")
     git.run(repo, "add", "-A", "-f")
@@ -254,7 +276,7 @@ def _prepare(work: Path, source: Path, m: Manifest, b: Baseline, say) -> tuple[P
     diff = git.run(repo, "diff", "--binary", "pristine", head, "--", "tests").stdout
     if diff:
         git.run(work / "tests-only", "apply", "--index", "-", input=diff.encode())
-    return repo, cells, carried_tests(texts)
+    return tested, cells, carried_tests(texts)
 
 
 def run_suites(
@@ -273,7 +295,7 @@ def run_suites(
     """Steps 1-4 of the module docstring; writes junit files and report.md into `out`."""
     work = root / "build" / "suites" / b.name
     out.mkdir(parents=True, exist_ok=True)
-    _, cells, carried = _prepare(work, source, m, b, say)
+    tested, cells, carried = _prepare(work, source, m, b, say)
     suites = [s for s in homes if (work / "patched" / s).exists()]
     suites += sorted(
         f for f in carried if f not in suites and not any(f.startswith(s + "/") for s in suites)
@@ -336,7 +358,7 @@ def run_suites(
             _stop(proc)
         logs[state].close()
     outcomes = {s: read_junit(sorted(out.glob(f"{s}.rank*.xml"))) for s in procs}
-    lines = report(b, nproc, cells, suites, carried, outcomes, rcs)
+    lines = report(b, nproc, cells, suites, carried, outcomes, rcs, tested)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     for line in lines:
         say(line)
@@ -359,7 +381,7 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def report(b, nproc, cells, suites, carried, outcomes, rcs) -> list[str]:
+def report(b, nproc, cells, suites, carried, outcomes, rcs, tested: str = "") -> list[str]:
     pristine = outcomes.get("pristine", Outcomes())
     patched = outcomes.get("patched", Outcomes())
     tests_only = outcomes.get("tests-only", Outcomes())
@@ -369,6 +391,7 @@ def report(b, nproc, cells, suites, carried, outcomes, rcs) -> list[str]:
         f"# Upstream suites on {b.name}, pristine vs patched "
         f"(torchrun --nproc_per_node={nproc} -m pytest)",
         "",
+        *([f"pristine: {tested}"] if tested else []),
         "patches: " + ", ".join(c.patch for c in cells if c.state == APPLIES),
         *fixed,
         "suites: " + ", ".join(suites),

@@ -18,7 +18,16 @@ from pathlib import Path
 from . import git
 from .errors import CheckFailed
 from .manifest import Baseline, Manifest, Patch
-from .series import LEFT_OUT_TRAILER, NO_TESTS_OPTS, apply_series, fit, has_upstream_tests
+from .series import (
+    LEFT_OUT_TRAILER,
+    NO_TESTS_OPTS,
+    apply_series,
+    fit,
+    has_upstream_tests,
+    patch_arg,
+    patch_text,
+)
+from .vendor import refuse_symlinks, replace_all
 
 CONTEXT_ONLY = "context-only"
 BACKPORT = "backport"
@@ -107,9 +116,7 @@ def variants(manifest: Manifest) -> list[Variant]:
         path = manifest.root / v.file
         if not canonical.is_file() or not path.is_file():
             continue
-        v.differ, v.code_only = compare(
-            canonical.read_text(encoding="utf-8"), path.read_text(encoding="utf-8")
-        )
+        v.differ, v.code_only = compare(patch_text(canonical), patch_text(path))
         v.kind = BACKPORT if v.differ else CONTEXT_ONLY
     return sorted(found.values(), key=lambda v: v.file)
 
@@ -204,7 +211,7 @@ def regen_variant(
     """
     rel = b.variants[p.id]
     target = manifest.root / rel
-    canonical = (manifest.root / p.file).read_text(encoding="utf-8")
+    canonical = patch_text(manifest.root / p.file)
     canon = manifest.baseline(manifest.canonical)
     ccell = next(c for c in apply_series(canonical_tree, manifest, canon) if c.patch == p.id)
     if ccell.state != "applies":
@@ -223,8 +230,10 @@ def regen_variant(
     if why and has_tests(text) and not _relocate(tree, _without_tests(text)):
         why, text = "", _without_tests(text)  # code relocated; its tests stay left out
     if why:
-        kept = target.read_text(encoding="utf-8") if target.is_file() else ""
-        fits = kept and git.ok(tree, "apply", "--check", *_fit_opts(tree, target), str(target))
+        kept = patch_text(target) if target.is_file() else ""
+        fits = kept and git.ok(
+            tree, "apply", "--check", *_fit_opts(tree, target), patch_arg(target)
+        )
         if fits and compare(text, kept)[0] == 0:
             # placed by hand where no merge can place it, and it applies: nothing has drifted
             return rel, f"unchanged (the canonical does not relocate exactly: {why})", None
@@ -247,7 +256,7 @@ def regen_variant(
     differ, _ = compare(text, new)
     if differ:
         raise CheckFailed(f"patches/{rel}: relocating the canonical patch changed {differ} lines")
-    old = target.read_text(encoding="utf-8") if target.is_file() else ""
+    old = patch_text(target) if target.is_file() else ""
     if old == new:
         return rel, "unchanged", None
     return rel, "regenerated", new
@@ -303,7 +312,8 @@ def graft_tests(
         )  # fmt: skip
     new = git.run(tree, "format-patch", "-1", "HEAD", *git.FORMAT_PATCH_ARGS).stdout
     target = manifest.root / rel
+    refuse_symlinks(target, manifest.root)  # before a folder is made
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(new, encoding="utf-8")
+    replace_all({target: new}, within=manifest.root)
     what = f"tests landed: {', '.join(landed)}"
     return rel, what + (f"; left out: {'; '.join(failed)}" if failed else "")

@@ -32,6 +32,11 @@ def _hash_tree(root: Path, rel_dirs: list[str], rel_files: list[str]) -> dict[st
     return hashes
 
 
+def files_digest(hashes: dict[str, str]) -> str:
+    """One sha256 of a `_hash_tree` record (the vendored tree's own record of its files)."""
+    return hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()
+
+
 def _ignored(path: Path) -> bool:
     return "__pycache__" in path.parts or path.suffix in IGNORED_SUFFIXES or path.name == INFO_NAME
 
@@ -95,6 +100,38 @@ def local_edits(root: Path) -> list[str] | None:
     return sorted(p for p in set(now) | set(old) if now.get(p) != old.get(p))
 
 
+def unexported_edits(root: Path) -> bool | None:
+    """Whether the vendored tree differs from what `vendor` (or `export`) last wrote, for the
+    `.edited` label of a build: from build/vendor.json, or, where build/ is gone, from the
+    digest of its files in megatron/core/_mcore_fixes.json (shipped with it). A tree with
+    neither cannot be shown unedited: True. None: half written by an interrupted `vendor`.
+    """
+    if _load_state(root) is not None:
+        edits = local_edits(root)
+        return None if edits is None else bool(edits)
+    try:
+        info = json.loads((root / "megatron" / "core" / INFO_NAME).read_text(encoding="utf-8"))
+        recorded = info["files_sha256"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return True
+    return files_digest(_hash_tree(root, ["megatron"], [])) != recorded
+
+
+def refuse_symlinks(target: Path, within: Path) -> None:
+    """UserError where `target` or a folder between `within` and it is a symlink: the tool
+    writes only into its own tree, never through a link (e.g. to the user's checkout)."""
+    path = within
+    for part in target.relative_to(within).parts:
+        path = path / part
+        if path.is_symlink():
+            raise UserError(
+                f"{path.relative_to(within.parent).as_posix()} is a symlink (to "
+                f"{os.readlink(path)}): mcore_fixes writes only regular files and folders of "
+                "its own tree, never through a link; replace it with a regular file or folder "
+                "(nothing was written)"
+            )
+
+
 def _load_state(root: Path, strict: bool = True) -> dict | None:
     """build/vendor.json; None if absent (or corrupt and not `strict`)."""
     path = root / "build" / STATE_NAME
@@ -154,14 +191,25 @@ def vendor(
         raise CheckFailed(f"the series does not apply to {b.name}, nothing vendored: {lines}")
     tests = git.out(tree, "diff", "--name-only", "pristine", "HEAD", "--", "tests").splitlines()
     record = info_record(manifest, b, tree, cells)
+    old_tests = (previous or {}).get("test_files", [])
+    for rel in sorted({"megatron", *old_tests, *tests}):  # before anything is written
+        refuse_symlinks(root / rel, root)
+    for rel in tests:
+        dest = root / rel
+        if rel not in old_tests and dest.exists() and not force:
+            if not dest.is_file() or dest.read_bytes() != (tree / rel).read_bytes():
+                raise CheckFailed(
+                    f"{rel} exists, and vendor did not write it: move it away, or pass "
+                    "`vendor --force` to replace it (nothing was written)"
+                )
 
     progress.step("writing the vendored tree")
     staging, retired = root / "build" / "vendor-staging", root / "build" / "vendor-retired"
     for leftover in (staging, retired):  # of a killed run
         shutil.rmtree(leftover, ignore_errors=True)
     shutil.copytree(tree / "megatron", staging / "megatron", symlinks=True)
+    record["files_sha256"] = files_digest(_hash_tree(staging, ["megatron"], []))
     (staging / "megatron" / "core" / INFO_NAME).write_text(json.dumps(record, indent=2) + "\n")
-    old_tests = (previous or {}).get("test_files", [])
     (root / "build").mkdir(exist_ok=True)
     _write_state(
         root, {"baseline": b.name, "incomplete": True, "test_files": sorted({*old_tests, *tests})}
@@ -248,13 +296,17 @@ def verify_vendored(root: Path, manifest: Manifest, b: Baseline, tree: Path) -> 
         )
 
 
-def replace_all(texts: dict[Path, str]) -> None:
+def replace_all(texts: dict[Path, str], within: Path | None = None) -> None:
     """Write every file of `texts` or none: temp files first, then renames; a failure puts
-    the old contents back."""
+    the old contents back. A target that is (or lies below) a symlink under `within` is
+    refused before anything is written."""
+    for target in texts:
+        refuse_symlinks(target, within or target.parent)
     old = {t: t.read_bytes() if t.exists() else None for t in texts}
     tmps = {t: t.with_name(t.name + ".tmp") for t in texts}
     try:
         for target, text in texts.items():
+            tmps[target].unlink(missing_ok=True)  # a link there is removed, not written through
             tmps[target].write_text(text, encoding="utf-8")
         with git.signals_held():
             done: list[Path] = []
@@ -299,6 +351,15 @@ def export(
             f"an interrupted `vendor` left {root / 'megatron'} half written; run "
             f"`python -m mcore_fixes vendor --baseline {b.name}` again (nothing was exported)"
         )
+    for rel in edits:  # the patch files are UTF-8 text
+        try:
+            if (root / rel).is_file():
+                (root / rel).read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserError(
+                f"{rel}: not UTF-8 text ({exc.reason} at byte {exc.start}), so it cannot go into "
+                "a patch file; fix it and export again (nothing was written)"
+            ) from None
     series_hashes(manifest, b)  # every patch file present and parsing, before anything runs
     cells = apply_series(tree, manifest, b)
     verify_vendored(root, manifest, b, tree)
@@ -382,7 +443,24 @@ def export(
     state = _load_state(root)
     assert state is not None
     state["files"] = _hash_tree(root, ["megatron"], state["test_files"])
-    replace_all(new_texts)  # the patch files change together, or none does
+    replace_all(new_texts, within=manifest.root)  # the patch files change together, or none
     state["series"] = series_hashes(manifest, b)
     _write_state(root, state)
+    _record_export(root, manifest)
     return results
+
+
+def _record_export(root: Path, manifest: Manifest) -> None:
+    """The vendored tree's own record after an export: its files are now the series' (no
+    `.edited` label, even without build/), and the patch files' hashes are the new ones."""
+    path = root / "megatron" / "core" / INFO_NAME
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # verify_vendored read it before: a record gone meanwhile stays gone
+    info["files_sha256"] = files_digest(_hash_tree(root, ["megatron"], []))
+    for entry in info.get("applied", []):
+        entry["sha256"] = file_sha256(manifest.root / entry["file"])
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, path)

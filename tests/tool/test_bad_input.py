@@ -363,6 +363,28 @@ MANIFEST_ERRORS = {
         '[[patch]]\nid = "a"\nfile = "a.patch"\nfix = 1\nrequires = "xy"\n',
         "expected a list of strings",
     ),
+    "default-empty": ("default = []\n", "`default` must name a baseline"),
+    "default-number": ("default = 3\n", "`default` must name a baseline"),
+    "same-code-as-list": (
+        '[baselines.x]\nsource = "pypi"\nversion = "1"\nsha256 = "' + "c" * 64 + '"\n'
+        'same-code-as = ["ok"]\n',
+        "baseline x: same-code-as ['ok'] must name a baseline",
+    ),
+    "variants-string": (
+        '[baselines.x]\nsame-code-as = "ok"\n',
+        "baseline ok: `variants` must be a table",
+    ),
+    "unknown-baseline-key": (
+        '[baselines.x]\nsource = "git"\nversion = "1"\ncommit = "'
+        + "a" * 40
+        + '"\n[baselines.x.varients]\na = "b.patch"\n',
+        "baseline x: unknown key 'varients'",
+    ),
+    "unknown-patch-key": (
+        '[[patch]]\nid = "a"\nfile = "a.patch"\nfix = 1\nrequieres = ["b"]\n',
+        "patch a: unknown key 'requieres'",
+    ),
+    "unknown-top-key": ('canonicle = "ok"\n', "unknown key 'canonicle'"),
 }
 
 
@@ -372,8 +394,10 @@ def test_invalid_manifest(tmp_path, tool, case):
     root = tmp_path / "proj"
     ok = '[baselines.ok]\nsource = "git"\nversion = "1"\ncommit = "' + "b" * 40 + '"\n'
     head = "" if case == "toml" else 'canonical = "ok"\n'
-    if case != "default":
+    if not case.startswith("default"):
         head += 'default = "ok"\n'
+    if case == "variants-string":  # on the baseline another one shares (same-code-as)
+        ok += 'variants = "oops"\n'
     write(root, "patches/manifest.toml", head + body + ("" if "[baselines]" in body else ok))
     r = tool(root, "status")
     assert r.rc == 2

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 from toolworld import FORMAT_PATCH, commit_all, git, package_info, write
 
 TAG = '\n[baselines."core_v0.1.5"]\nsource = "git"\nref = "core_v0.1.5"\ncommit = "{commit}"\n'
@@ -83,9 +85,9 @@ def test_left_out_test_section_is_said_once_per_section(world, project, tool, tm
     assert again.rc == 0 and "nothing to do" in again.out, again.out + again.err
 
 
-def test_graft_tests_lands_a_test_section_three_way(world, tool, tmp_path):
-    """An old tag whose test file differs near (not at) the lines a test section adds: the
-    variant's code is kept, the donor's test change merged three-way onto that file."""
+def graft_world(world, tmp_path):
+    """An old tag `old` whose test file differs near (not at) the lines the canonical patch's
+    test section adds, and its code-only variant; returns (project, upstream)."""
     up = tmp_path / "up.git"
     git(world.base, "clone", "-q", "--bare", str(world.upstream), str(up))
     work = tmp_path / "upwork"
@@ -114,6 +116,13 @@ def test_graft_tests_lands_a_test_section_three_way(world, tool, tmp_path):
         f'[baselines.old]\nsource = "git"\nref = "old"\nversion = "0.0.9"\ncommit = "{old}"\n'
         '[baselines.old.variants]\nanswer = "old/0001-answer.patch"\n'
     )
+    return project, up
+
+
+def test_graft_tests_lands_a_test_section_three_way(world, tool, tmp_path):
+    """An old tag whose test file differs near (not at) the lines a test section adds: the
+    variant's code is kept, the donor's test change merged three-way onto that file."""
+    project, up = graft_world(world, tmp_path)
     r = tool(project, "status", "--json", "--baseline", "old", "--mcore-repo", up)
     assert r.rc == 0, r.err
     assert "carries only code" in r.out
@@ -127,6 +136,21 @@ def test_graft_tests_lands_a_test_section_three_way(world, tool, tmp_path):
     )
     r = tool(project, "status", "--json", "--baseline", "old", "--mcore-repo", up)
     assert "excluded" not in r.out, r.out
+
+
+def test_graft_tests_never_writes_through_a_symlinked_variant(world, tool, tmp_path):
+    """A variant file that is a symlink out of patches/: refused, the file it points to and
+    the link left as they were."""
+    project, up = graft_world(world, tmp_path)
+    variant = project / "patches/old/0001-answer.patch"
+    outside = tmp_path / "elsewhere.patch"
+    os.replace(variant, outside)
+    variant.symlink_to(outside)
+    before = outside.read_bytes()
+    r = tool(project, "graft-tests", "--baseline", "old", "--mcore-repo", up)
+    assert r.rc == 2, r.text
+    assert "patches/old/0001-answer.patch is a symlink" in r.err.strip().splitlines()[-1]
+    assert outside.read_bytes() == before and variant.is_symlink()
 
 
 def test_shallow_clone_of_a_release_branch_takes_its_tag(world, project, tool, tmp_path):

@@ -140,9 +140,9 @@ def test_download_of_an_sdist_requiring_python_3_12(world, tmp_path, monkeypatch
     monkeypatch.setenv("MCORE_FIXES_CACHE", str(cache))
     monkeypatch.setenv("PIP_FIND_LINKS", str(links))
     b = Baseline(name="0.9.0", source="pypi", version="0.9.0", sha256=sha256(sdist))
-    got = sources.fetch_sdist(b, Progress(False))
+    got, data = sources.fetch_sdist(b, Progress(False))
     assert got == cache / "sha256" / b.sha256 / sdist.name
-    assert got.read_bytes() == sdist.read_bytes()
+    assert got.read_bytes() == data == sdist.read_bytes()
 
 
 BACKEND = """import os, subprocess, sys
