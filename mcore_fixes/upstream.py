@@ -537,7 +537,7 @@ def plan(m: Manifest, only: list[int] | None, pr_of: Callable[[str], str]) -> li
     return list(units.values())
 
 
-def _pr_number(repo: Path, sha: str) -> str:
+def pr_number(repo: Path, sha: str) -> str:
     proc = git.run(repo, "log", "-1", "--format=%s", f"{sha}^{{commit}}", check=False)
     m = _PR_NUMBER.search(proc.stdout.strip()) if proc.returncode == 0 else None
     return m.group(1) if m else ""
@@ -1019,7 +1019,7 @@ def _picked_note(b: Build, r: Built) -> str:
             else f"`git cherry-pick -x {sha[:10]}`"
         )
         return (
-            f"[{t.label}] twin of upstream's own commit {sha[:10]} (author {author}, kept), "
+            f"[{t.label}] cherry-pick of upstream's own commit {sha[:10]} (author {author}, kept), "
             f"which {having} has and {t.baseline.name} lacks: {how}."
         )
     for sha, ids in r.picked:
@@ -1131,7 +1131,7 @@ def export(
     who = identity(checkout)
     if isinstance(onto, str):
         onto = [onto]
-    units = plan(m, only, lambda sha: _pr_number(checkout, sha))
+    units = plan(m, only, lambda sha: pr_number(checkout, sha))
     wanted = {u.key for u in units if not only or u.fix in only}
     out_dir = root / "build" / "upstream"
     made: list[Made] = []

@@ -403,7 +403,7 @@ def test_both_branches_each_with_what_it_lacks(project, checkout, tool):
     desc = git(repo, "config", "branch.mcore-fixes/dev/cherry-pick-77.description")
     assert desc.startswith(f"[Dev] {EXTRA_SUBJECT}\n\n")
     assert (
-        f"[Dev] twin of upstream's own commit {main[:10]}" in desc
+        f"[Dev] cherry-pick of upstream's own commit {main[:10]}" in desc
         and "which main has and dev lacks" in desc
     )
     dev2 = git(repo, "config", "branch.mcore-fixes/dev/fix-2.description")
@@ -613,7 +613,7 @@ def test_the_scratch_clone_of_a_killed_run_is_removed_by_the_next(project, check
     assert _scratch_dirs(tmp) == sorted([alive.name, foreign.name])
 
 
-FIRST_RECORD = "config branch.mcore-fixes/fix-1.description"  # right after the fetch, before
+FIRST_RECORD = "config branch.mcore-fixes/fix-1.description"  # the first write after the fetch
 
 
 @pytest.mark.parametrize("stop_at", [FIRST_RECORD, "update-ref -m"])
