@@ -432,7 +432,6 @@ def _commit(scratch: Path, env: dict[str, str], message: str, tmp: Path) -> None
         "commit",
         "-q",
         "--no-verify",
-        "--allow-empty-message",
         "-F",
         str(msg_file),
         env=env,
@@ -1074,8 +1073,10 @@ def describe(
     else:
         messages += [parse_message(read_patch(m.patch_file(t.baseline, q))) for q in r.ours]  # type: ignore[arg-type]
     texts = [read_patch(p) for q in r.ours if (p := m.patch_file(t.baseline, q))]
-    texts += [git.out(b.scratch, "show", "--format=", sha) for sha, _ in r.picked]
-    tests = sorted({f for text in texts for f in test_files(text)})
+    tests = {f for text in texts for f in test_files(text)}
+    for sha, _ in r.picked:
+        files = git.out(b.scratch, "show", "--format=", "--name-only", sha).splitlines()
+        tests |= {f for f in files if f.startswith("tests/")}
     depends = None
     if r.stacked:
         depends = "`, `".join(t.branch(built[k].unit) for k in r.stacked if k in built)
@@ -1092,7 +1093,7 @@ def describe(
         tmpl,
         unit.fix,
         messages,
-        tests,
+        sorted(tests),
         proven_on(root, m, unit.patches),
         depends,
         picked,
@@ -1135,6 +1136,7 @@ def export(
     wanted = {u.key for u in units if not only or u.fix in only}
     out_dir = root / "build" / "upstream"
     made: list[Made] = []
+    summary: list[str] = []  # said once the branches are made
     with scratch_dir() as tmp:
         scratch = _scratch_clone(checkout, tmp)
         found = targets(m, checkout, scratch, onto, say)
@@ -1170,7 +1172,7 @@ def export(
                 path = out_dir / (name.replace("/", "-") + ".md")
                 made.append(Made(name, r.tip, r.inputs, desc, path, r.reused))
                 state = "unchanged, " if r.reused else ""
-                say(
+                summary.append(
                     f"{name}: [{t.label}] {r.n_commits} commit(s) {r.on}, {state}tip {r.tip[:10]}; "
                     f"description {path}"
                 )
@@ -1179,6 +1181,8 @@ def export(
     out_dir.mkdir(parents=True, exist_ok=True)
     for mk in made:
         mk.path.write_text(mk.description, encoding="utf-8")
+    for line in summary:
+        say(line)
     say(f"author and Signed-off-by: {who.name} <{who.email}>; nothing was pushed")
     return [(mk.branch, mk.tip, mk.path) for mk in made]
 
