@@ -14,9 +14,11 @@ Upstream's own commits (`upstream-commit` in the manifest), one rule on every ta
 the target already contains is left out (with the patches standing for it); one it lacks is
 `git cherry-pick -x`'d from the checkout (author and sign-off kept, the runner's added;
 import-only conflicts merged as isort writes them), else the series' patch for that baseline
-is used, said so. A fix made only of upstream's commits (carried by the series for the
-releases) gets one branch per commit, ``cherry-pick-<PR>``, on the targets that lack it: the
-[Dev] (or [Main]) twin of what the other branch has.
+is used, said so. A patch that is upstream's own fix carried by the series (a DEP-3
+``Origin:`` in its message, or manifest ``origin``) gets a branch of its own,
+``cherry-pick-<PR>``, on each target that lacks the commit: the [Dev] (or [Main]) twin of what
+the other branch has, the series' backport standing in (upstream's author and message kept)
+where the cherry-pick conflicts; none for an open PR's commit (on no branch of the checkout).
 
 Our commits are authored, committed and signed off (DCO ``Signed-off-by:``) by the git
 identity of the person running the tool (refused when none is configured); the project's
@@ -946,7 +948,7 @@ def build_target(b: Build, units: list[Unit], wanted: set[str], checkout: Path) 
             if dep.unit.key not in wanted and not dep.reused:
                 r.on = (
                     f"on a fresh build of {dep.unit.key} ({dep.tip[:10]}), not on branch "
-                    f"{t.branch(dep.unit)} ({_why_not(checkout, t.branch(dep.unit), dep.inputs)}"
+                    f"{t.branch(dep.unit)} ({_why_not(checkout, t.branch(dep.unit))}"
                     f"; `--fix {dep.unit.fix}` makes that branch)"
                 )
         r.inputs = b.inputs(unit, start_inputs)
@@ -978,7 +980,7 @@ def build_target(b: Build, units: list[Unit], wanted: set[str], checkout: Path) 
     return results
 
 
-def _why_not(checkout: Path, name: str, inputs: str) -> str:
+def _why_not(checkout: Path, name: str) -> str:
     found = existing(checkout, name)
     if found is None:
         return "no such branch"
