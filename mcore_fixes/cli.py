@@ -469,7 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("upstream", help="one branch per upstream PR in a checkout (never pushes)")
     p.add_argument("--fix", type=int, action="append", help="only this fix (repeatable)")
-    p.add_argument("--onto", help="base commit or branch (default: the canonical baseline's pin)")
+    p.add_argument(
+        "--onto",
+        action="append",
+        help="base commit or branch, repeatable (default: the pinned commits of main and dev, "
+        "for the [Main] and [Dev] PRs)",
+    )
     with_repo(p)
     p.set_defaults(func=cmd_upstream)
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import time
 from pathlib import Path
 
 import pytest
-from toolworld import SUBJECTS, commit_all, git, snapshot, write
+from test_interrupts import start, wait_reached, wrapped_env
+from toolworld import SUBJECTS, add_git_baseline, commit_all, git, run_module, snapshot, write
 
 from mcore_fixes import upstream
 
@@ -65,6 +70,7 @@ def test_branches_per_fix_with_the_runners_identity(project, checkout, tool):
         trailers = c["b"].strip().splitlines()
         assert trailers[-1] == "Signed-off-by: Jane Runner <jane@example.com>"
         assert not any(t.startswith(("Bug:", "Forwarded:", "Proven-on:")) for t in trailers)
+        assert [t for t in trailers if t.startswith("Signed-off-by:")] == [trailers[-1]]
     assert "nothing was pushed" in res.out
 
     desc = git(repo, "config", "branch.mcore-fixes/fix-1.description")
@@ -133,7 +139,7 @@ def test_message_keeps_upstream_trailers_only():
         "From: mcore-fixes <mcore-fixes@users.noreply.github.com>\n"
         "Subject: [PATCH] Fix a thing in\n a long subject\n\nBody line.\n\n"
         "Bug: https://github.com/NVIDIA/Megatron-LM/issues/2777\nForwarded: no\n"
-        "Proven-on: main\nCo-authored-by: A <a@x>\n"
+        "Proven-on: main\nCo-authored-by: A <a@x>\nSigned-off-by: Ada Lovelace <ada@example.com>\n"
         "Signed-off-by: mcore-fixes <mcore-fixes@users.noreply.github.com>\n---\n diff\n"
     )
     assert msg.subject == "Fix a thing in a long subject"
@@ -257,7 +263,9 @@ def test_a_conflicting_cherry_pick(project, checkout, tool, kind):
         assert fix1[0]["author"] == "Upstream Author <author@upstream.example>"
     else:  # no safe text resolution: our patch, said so
         assert [c["s"] for c in fix1] == [SUBJECTS["fix-mean"]]
-        assert "not cherry-picked (it conflicts with the base beyond import lines in " in res.out
+        assert (
+            f"not cherry-picked (it conflicts with {onto[:10]} beyond import lines in " in res.out
+        )
         assert "return x * 2" in calc
 
 
@@ -274,3 +282,364 @@ def test_merge_imports_is_isort_shaped():
         "from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer\n"
     )
     assert upstream.merge_imports("import os\n", "x = 1\n") is None
+
+
+# --- [Main] and [Dev]: both of upstream's branches, and the upstream fixes the series carries ---
+
+EXTRA_SUBJECT = "Fix upper() of non-strings (#77)"
+EXTRA = '"""Extra helpers."""\n\n\ndef upper_any(x):\n    return str(x).upper()\n'
+TEST_EXTRA = (
+    "from megatron.core.extra import upper_any\n\n\n"
+    "def test_upper_any():\n    assert upper_any(1) == '1'\n"
+)
+ORIGIN = "Origin: upstream, https://github.com/NVIDIA/Megatron-LM/pull/77"
+
+
+def _carried_patch(repo: Path, base: str, name: str) -> str:
+    """The series' patch of upstream commit `name` made on `base`: upstream's author and
+    message, plus our DEP-3 `Origin:` (as the series carries upstream's fixes)."""
+    from toolworld import FORMAT_PATCH
+
+    git(repo, "checkout", "-q", "--detach", base)
+    write(repo, "megatron/core/extra.py", EXTRA)
+    write(repo, "tests/unit_tests/test_extra.py", TEST_EXTRA)
+    commit_all(
+        repo, f"{EXTRA_SUBJECT}\n\nWhy, in upstream's words.\n\n{ORIGIN}\n", env=UPSTREAM_AUTHOR
+    )
+    text = git(repo, *FORMAT_PATCH)
+    git(repo, "checkout", "-q", "main-work")
+    return text
+
+
+def _paired(project: Path, repo: Path, base: str, dev_has_extra: bool = False) -> dict[str, str]:
+    """Upstream's main and dev in the toy: dev holds upstream's own fix of mean() that main
+    lacks (as dev holds #5835), main holds upstream's fix #77 that dev lacks (as main holds
+    #5077), which the series carries as its first patch (fix 5). The manifest's canonical
+    baseline is main. `dev_has_extra`: dev has its own extra.py, so #77 conflicts there and
+    the series carries a backport for dev."""
+    dev = _upstream_fix(repo, base, "")
+    git(repo, "checkout", "-q", "-b", "upstream-main", base)
+    write(repo, "megatron/core/extra.py", EXTRA)
+    write(repo, "tests/unit_tests/test_extra.py", TEST_EXTRA)
+    main = commit_all(repo, f"{EXTRA_SUBJECT}\n\nWhy, in upstream's words.\n", env=UPSTREAM_AUTHOR)
+    git(repo, "checkout", "-q", "main-work")
+    patches = project / "patches"
+    (patches / "0000a-extra.patch").write_text(_carried_patch(repo, base, "extra"))
+    manifest = patches / "manifest.toml"
+    text = manifest.read_text().replace('canonical = "0.1.0"', 'canonical = "main"')
+    entry = '[[patch]]\nid = "extra"\nfile = "0000a-extra.patch"\nfix = 5\n'
+    entry += f'upstream-commit = "{main}"\n\n'
+    text = text.replace("[[patch]]", entry + "[[patch]]", 1)
+    manifest.write_text(
+        text.replace('id = "fix-mean"\n', f'id = "fix-mean"\nupstream-commit = "{dev}"\n')
+    )
+    variants: dict[str, str] = {}
+    if dev_has_extra:
+        git(repo, "checkout", "-q", "upstream-dev")
+        write(repo, "megatron/core/extra.py", '"""Extra helpers, dev\'s own."""\n')
+        dev = commit_all(repo, "dev's own extra module")
+        (patches / "dev").mkdir()
+        (patches / "dev" / "0000a-extra.patch").write_text(_carried_patch(repo, dev, "extra"))
+        variants = {"extra": "dev/0000a-extra.patch"}
+    add_git_baseline(project, "main", main, "0.1.0")
+    add_git_baseline(
+        project,
+        "dev",
+        dev,
+        "0.1.0",
+        fixed_upstream={"fix-mean": f"{dev[:10]} (#42)"},
+        variants=variants,
+        backports={"extra": "dev has its own extra.py"} if variants else {},
+    )
+    return {"main": main, "dev": dev}
+
+
+def _subjects(repo: Path, spec: str) -> list[str]:
+    return [c["s"] for c in _log(repo, spec)]
+
+
+def test_both_branches_each_with_what_it_lacks(project, checkout, tool):
+    """[Main] and [Dev] branches by default: each cherry-picks upstream's commit that only the
+    other branch has (author kept), and re-adds none that it has."""
+    repo, base = checkout
+    pins = _paired(project, repo, base)
+    main, dev = pins["main"], pins["dev"]
+    (project / "patches" / "pr").mkdir()
+    (project / "patches" / "pr" / "fix-2.md").write_text(
+        "Title: Let join_names() take any separator\n\n## Evidence\n\nmeasured: 3 of 3 joins\n"
+    )
+    (project / "patches" / "pr" / "join-sep.md").write_text("join-sep: proven on 0.1.0\n")
+    res = tool(project, "upstream", "--mcore-repo", repo)
+    assert res.rc == 0, res.text
+    assert "[Main] " in res.out and "[Dev] " in res.out
+
+    # main lacks upstream's fix of mean() (dev has it): fix 1 is its cherry-pick, author kept
+    fix1 = _log(repo, f"{main}..mcore-fixes/fix-1")
+    assert [c["s"] for c in fix1] == [UPSTREAM_SUBJECT]
+    assert fix1[0]["author"] == "Upstream Author <author@upstream.example>"
+    assert f"(cherry picked from commit {dev})" in fix1[0]["b"]
+    assert _subjects(repo, f"{main}..mcore-fixes/fix-2") == [SUBJECTS["join-sep"], UPSTREAM_SUBJECT]
+    # main has #77: nothing to send there
+    assert "mcore-fixes/cherry-pick-77: no branch: upstream commit" in res.out
+    assert "is already on main" in res.out
+    assert git(repo, "branch", "--list", "mcore-fixes/cherry-pick-77").strip() == ""
+
+    # dev has upstream's mean() fix: not re-added; fix 1 has nothing else: no branch
+    assert "mcore-fixes/dev/fix-1: no branch: nothing left to send on dev" in res.out
+    assert git(repo, "branch", "--list", "mcore-fixes/dev/fix-1").strip() == ""
+    assert _subjects(repo, f"{dev}..mcore-fixes/dev/fix-2") == [SUBJECTS["join-sep"]]
+    assert git(repo, "rev-parse", "mcore-fixes/dev/fix-2~1").strip() == dev
+    # dev lacks #77: its [Dev] twin, `git cherry-pick -x`, author kept, the sender's sign-off
+    (pick,) = _log(repo, f"{dev}..mcore-fixes/dev/cherry-pick-77")
+    assert (
+        pick["s"] == EXTRA_SUBJECT and pick["author"] == "Upstream Author <author@upstream.example>"
+    )
+    assert pick["committer"] == "Jane Runner <jane@example.com>"
+    assert pick["b"].strip().splitlines()[-2:] == [
+        f"(cherry picked from commit {main})",
+        "Signed-off-by: Jane Runner <jane@example.com>",
+    ]
+
+    desc = git(repo, "config", "branch.mcore-fixes/dev/cherry-pick-77.description")
+    assert desc.startswith(f"[Dev] {EXTRA_SUBJECT}\n\n")
+    assert (
+        f"[Dev] cherry-pick of upstream's own commit {main[:10]}" in desc
+        and "which main has and dev lacks" in desc
+    )
+    dev2 = git(repo, "config", "branch.mcore-fixes/dev/fix-2.description")
+    assert dev2.startswith("[Dev] Let join_names() take any separator\n\n")
+    assert "dev already has upstream's own fix" not in dev2  # fix 2 names no upstream commit
+    assert "measured: 3 of 3 joins" in dev2 and "join-sep: proven on 0.1.0" in dev2
+    assert "Twin PR(s): [Main] `mcore-fixes/fix-2`" in dev2
+    assert (project / "build/upstream/mcore-fixes-dev-fix-2.md").read_text().strip() == dev2.strip()
+    main2 = git(repo, "config", "branch.mcore-fixes/fix-2.description")
+    assert main2.startswith("[Main] Let join_names() take any separator\n\n")
+
+
+def test_dev_alone_with_onto_its_pinned_commit(project, checkout, tool):
+    """`--onto` dev's pin: its baseline, its fixed-upstream patches left out, as `apply` does."""
+    repo, base = checkout
+    pins = _paired(project, repo, base)
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", "upstream-dev")
+    assert res.rc == 0, res.text
+    assert f"[Dev] {pins['dev'][:10]}: dev (HEAD is the pinned commit of dev)" in res.out
+    assert _subjects(repo, f"{pins['dev']}..mcore-fixes/dev/fix-2") == [SUBJECTS["join-sep"]]
+    assert git(repo, "branch", "--list", "mcore-fixes/fix-*").strip() == ""
+
+
+def test_a_carried_commit_that_conflicts_is_our_backport(project, checkout, tool):
+    repo, base = checkout
+    pins = _paired(project, repo, base, dev_has_extra=True)
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", pins["dev"])
+    assert res.rc == 0, res.text
+    assert (
+        "not cherry-picked (it conflicts with" in res.out
+        and "the series' backport for dev" in res.out
+    )
+    (pick,) = _log(repo, f"{pins['dev']}..mcore-fixes/dev/cherry-pick-77")
+    assert (
+        pick["s"] == EXTRA_SUBJECT and pick["author"] == "Upstream Author <author@upstream.example>"
+    )
+    body = pick["b"]
+    assert (
+        f"(cherry picked from commit {pins['main']})\n\nConflicts:\n\tmegatron/core/extra.py\n"
+        in body
+    )
+    resolved = "Resolved as mcore-fixes' backport for dev (patches/dev/0000a-extra.patch)"
+    assert f"{resolved}: dev has its own extra.py" in body
+    assert ORIGIN not in body and body.strip().endswith(
+        "Signed-off-by: Jane Runner <jane@example.com>"
+    )
+    assert git(repo, "show", "mcore-fixes/dev/cherry-pick-77:megatron/core/extra.py") == EXTRA
+
+
+def test_an_open_pr_is_not_sent(project, checkout, tool):
+    """A carried commit on no branch (an open PR's head): its author's to send, not ours."""
+    repo, base = checkout
+    pins = _paired(project, repo, base)
+    git(repo, "update-ref", "refs/pull/77/head", pins["main"])
+    git(repo, "branch", "-D", "upstream-main")
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", pins["dev"])
+    assert res.rc == 0, res.text
+    assert "mcore-fixes/dev/cherry-pick-77: no branch:" in res.out and "(an open PR)" in res.out
+    assert git(repo, "branch", "--list", "mcore-fixes/dev/cherry-pick-77").strip() == ""
+
+
+# --- branches made all at once, or not at all; built on what exists -----------------------------
+
+
+def _records(repo: Path) -> str:
+    proc = git(repo, "config", "--get-regexp", r"^branch\.mcore-fixes/", check=False)
+    return proc
+
+
+@pytest.mark.parametrize("clash", ["mcore-fixes/fix-1/wip", "mcore-fixes"])
+def test_a_branch_in_the_way_of_a_name_changes_nothing(project, checkout, tool, clash):
+    repo, base = checkout
+    git(repo, "branch", clash, base)
+    refs, records = git(repo, "show-ref"), _records(repo)
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", base)
+    assert res.rc == 1 and "Traceback" not in res.err
+    assert f"branch {clash} exists, so git cannot make branch mcore-fixes/fix-1" in res.err
+    assert "nothing was changed" in res.err and len(res.err.strip().splitlines()) == 1
+    assert git(repo, "show-ref") == refs and _records(repo) == records
+    git(repo, "branch", "-m", clash, "my-wip")
+    again = tool(project, "upstream", "--mcore-repo", repo, "--onto", base)
+    assert again.rc == 0, again.text
+
+
+def test_a_refused_transaction_leaves_no_records(project, checkout, tool):
+    """The checkout's own reference-transaction hook refuses: its reason shown, nothing kept."""
+    repo, base = checkout
+    hook = repo / ".git" / "hooks" / "reference-transaction"
+    refuse = '{ echo "policy: no mcore-fixes here" >&2; exit 1; }'
+    hook.write_text(f'#!/bin/sh\n[ "$1" = prepared ] && {refuse}\nexit 0\n')
+    hook.chmod(0o755)
+    refs, records = git(repo, "show-ref"), _records(repo)
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", base)
+    assert res.rc == 1 and "policy: no mcore-fixes here" in res.err, res.text
+    assert git(repo, "show-ref") == refs and _records(repo) == records
+
+
+def test_a_fix_is_built_on_the_existing_branch_it_needs(project, checkout, tool):
+    repo, base = checkout
+    assert tool(project, "upstream", "--mcore-repo", repo, "--onto", base).rc == 0
+    tips = {f: git(repo, "rev-parse", f"mcore-fixes/fix-{f}").strip() for f in (1, 2, 3)}
+    time.sleep(1.1)  # a rebuild would have another commit date, so another id
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", base, "--fix", "2")
+    assert res.rc == 0, res.text
+    assert f"on mcore-fixes/fix-1 ({tips[1][:10]})" in res.out
+    assert git(repo, "rev-parse", "mcore-fixes/fix-2~1").strip() == tips[1]
+    assert "unchanged" in res.out and git(repo, "rev-parse", "mcore-fixes/fix-2").strip() == tips[2]
+    again = tool(project, "upstream", "--mcore-repo", repo, "--onto", base)
+    assert again.rc == 0 and again.out.count("unchanged, tip") == 3
+    assert {f: git(repo, "rev-parse", f"mcore-fixes/fix-{f}").strip() for f in (1, 2, 3)} == tips
+
+    # fix 1's patch changed since its branch was made: said exactly what fix 2 is built on
+    patch = project / "patches" / "0001-fix-mean.patch"
+    patch.write_text(patch.read_text().replace("Why fix-mean is needed", "Why fix-mean is wanted"))
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", base, "--fix", "2")
+    assert res.rc == 0, res.text
+    fresh = git(repo, "rev-parse", "mcore-fixes/fix-2~1").strip()
+    assert fresh != tips[1] and git(repo, "rev-parse", "mcore-fixes/fix-1").strip() == tips[1]
+    assert (
+        f"on a fresh build of fix-1 ({fresh[:10]}), not on branch mcore-fixes/fix-1 (made from "
+        "other inputs; `--fix 1` makes that branch)" in res.out
+    )
+
+
+# --- the scratch clone: the user's hooks and config stay out; nothing is left in $TMPDIR -----
+
+
+def test_a_template_that_is_not_utf8(project, checkout, tool):
+    repo, _ = checkout
+    (repo / ".github" / "pull_request_template.md").write_bytes(TEMPLATE.encode() + b"caf\xe9\n")
+    base = commit_all(repo, "A template in Latin-1")
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", base, "--fix", "1")
+    assert res.rc == 0, res.text
+    assert ".github/pull_request_template.md at " in res.out and "is not UTF-8" in res.out
+    assert "caf\ufffd" in git(repo, "config", "branch.mcore-fixes/fix-1.description")
+
+
+def test_the_users_global_hooks_do_not_run_in_the_scratch_clone(
+    project, checkout, tool, tmp_path, monkeypatch
+):
+    repo, base = checkout
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    for name in (
+        "pre-commit",
+        "prepare-commit-msg",
+        "commit-msg",
+        "post-commit",
+        "post-checkout",
+        "pre-applypatch",
+        "applypatch-msg",
+        "post-applypatch",
+        "post-rewrite",
+    ):
+        (hooks / name).write_text(
+            f'#!/bin/sh\ntouch "{tmp_path}/ran-{name}"\necho "{name} says no" >&2\nexit 1\n'
+        )
+        (hooks / name).chmod(0o755)
+    config = tmp_path / "gitconfig"
+    config.write_text(
+        Path(os.environ["GIT_CONFIG_GLOBAL"]).read_text() + f"[core]\n\thooksPath = {hooks}\n"
+    )
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    res = tool(project, "upstream", "--mcore-repo", repo, "--onto", base)
+    assert res.rc == 0, res.text
+    assert sorted(p.name for p in tmp_path.glob("ran-*")) == []
+
+
+def _scratch_dirs(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.glob(f"{upstream.SCRATCH_PREFIX}*"))
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stopped_run_leaves_no_scratch_clone(project, checkout, tmp_path, how):
+    repo, base = checkout
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**wrapped_env(tmp_path, "cherry-pick"), "TMPDIR": str(tmp)}
+    proc = start(project, "upstream", "--mcore-repo", repo, "--onto", base, env=env)
+    wait_reached(env, proc)
+    assert len(_scratch_dirs(tmp)) == 1
+    os.killpg(proc.pid, how)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in err, err
+    assert _scratch_dirs(tmp) == []
+
+
+def test_the_scratch_clone_of_a_killed_run_is_removed_by_the_next(project, checkout, tmp_path):
+    repo, base = checkout
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    alive = tmp / f"{upstream.SCRATCH_PREFIX}alive"  # a run still going: kept
+    alive.mkdir()
+    (alive / upstream.SCRATCH_MARKER).write_text(f"{os.getpid()} {socket.gethostname()}\n")
+    foreign = tmp / f"{upstream.SCRATCH_PREFIX}unmarked"  # not provably ours: kept
+    foreign.mkdir()
+    env = {**wrapped_env(tmp_path, "cherry-pick"), "TMPDIR": str(tmp)}
+    proc = start(project, "upstream", "--mcore-repo", repo, "--onto", base, env=env)
+    wait_reached(env, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(_scratch_dirs(tmp)) == 3
+    r = run_module(
+        project, "upstream", "--mcore-repo", repo, "--onto", base, env={**env, "STOP_AT": "none"}
+    )
+    assert r.rc == 0, r.err
+    assert _scratch_dirs(tmp) == sorted([alive.name, foreign.name])
+
+
+FIRST_RECORD = "config branch.mcore-fixes/fix-1.description"  # the first write after the fetch
+
+
+@pytest.mark.parametrize("stop_at", [FIRST_RECORD, "update-ref -m"])
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_while_writing_the_branches(project, checkout, tmp_path, stop_at, how):
+    """Ctrl-C or a kill between the fetch and the last record: every branch there is one the
+    tool recorded, and the next run goes on (it used to refuse them as not its own)."""
+    repo, base = checkout
+    env = wrapped_env(tmp_path, stop_at, stop_for=1 if how == signal.SIGINT else 30)
+    env["REACHED"] = str(tmp_path / "reached")  # stop_at has a "/"
+    proc = start(project, "upstream", "--mcore-repo", repo, "--onto", base, env=env)
+    wait_reached(env, proc)
+    os.killpg(proc.pid, how)
+    _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    for name in git(repo, "branch", "--list", "mcore-fixes/*", "--format=%(refname:short)").split():
+        assert git(repo, "config", f"branch.{name}.{upstream.RECORD_KEY}", check=False).strip(), (
+            name
+        )
+    r = run_module(
+        project, "upstream", "--mcore-repo", repo, "--onto", base, env={**env, "STOP_AT": "none"}
+    )
+    assert r.rc == 0, r.err
+    for f in (1, 2, 3):
+        tip = git(repo, "rev-parse", f"mcore-fixes/fix-{f}").strip()
+        assert (
+            git(repo, "config", f"branch.mcore-fixes/fix-{f}.{upstream.RECORD_KEY}").strip() == tip
+        )
+    assert upstream.PREVIOUS_KEY.lower() not in _records(repo).lower()
