@@ -326,13 +326,15 @@ class Archive:
         return torch.frombuffer(data, dtype=storage.dtype)
 
 
-def unpickle(data: bytes, archive: Archive | None = None, allow_dcp: bool = False) -> Any:
+def unpickle(
+    data: bytes, archive: Archive | None = None, allow_dcp: bool = False, where: str = "pickle"
+) -> Any:
     try:
         return _Unpickler(data, archive, allow_dcp).load()
     except BadCheckpoint:
         raise
     except Exception as exc:  # noqa: BLE001 - any malformed pickle is one line
-        where = archive._where() if archive is not None else "pickle"
+        where = archive._where() if archive is not None else where
         raise BadCheckpoint(f"{where}: cannot unpickle ({type(exc).__name__}: {exc})") from None
 
 
@@ -391,7 +393,7 @@ class DistCheckpoint:
             data = meta_path.read_bytes()
         except OSError as exc:
             raise BadCheckpoint(f"{meta_path}: cannot read ({exc.strerror})") from None
-        meta = unpickle(data, None, allow_dcp=True)
+        meta = unpickle(data, None, allow_dcp=True, where=str(meta_path))
         state = getattr(meta, "state_dict_metadata", None)
         storage = getattr(meta, "storage_data", None)
         if not isinstance(state, dict) or not isinstance(storage, dict):

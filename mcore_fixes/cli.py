@@ -372,9 +372,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """Whether a checkpoint carries the damage of the series' bugs (see mcore_fixes/audit.py)."""
-    if importlib.util.find_spec("torch") is None:
-        raise UserError("audit reads checkpoints with torch, which is not importable here")
-    from . import audit  # noqa: PLC0415 - torch is imported for this verb only
+    try:
+        from . import audit  # noqa: PLC0415 - torch is imported for this verb only
+    except ImportError as exc:
+        if exc.name != "torch":
+            raise
+        raise UserError(
+            "audit reads checkpoints with torch, which is not importable here"
+        ) from None
 
     report = audit.audit(Path(args.checkpoint))
     if args.json:
