@@ -16,8 +16,9 @@ One verdict per check: `ok`, `damaged` (with the evidence) or `cannot tell` (and
   with zeros: saved main params equal their weights shifted, or end in a run of exact zeros
   (so do exp_avg and exp_avg_sq).
 
-Reading is lazy and windowed (mcore_fixes.ckptread): the peak memory is a few windows plus an
-index of 1/64 of the model weights' positions, whatever the checkpoint's size.
+Reading is lazy and windowed (mcore_fixes.ckptread, mcore_fixes.locate) and needs numpy, not
+torch: the peak memory is a few windows plus a table of 20 bytes per 64 model weight elements,
+whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -28,20 +29,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .ckptread import (
-    WINDOW,
+    FLOATS,
     BadCheckpoint,
     DistCheckpoint,
     DistItem,
     Files,
     LazyTensor,
     Opaque,
+    TorchDType,
     load_file,
     walk,
 )
 from .errors import UserError
+from .locate import SIXTEEN, Index, digest, equal, zero_tail
 
 OK, DAMAGED, CANNOT_TELL = "ok", "damaged", "cannot tell"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -54,7 +55,6 @@ KNOWN_SHARDING = (
     "fsdp_dtensor",
 )
 MAIN_KEYS = ("param", "fp32_param")  # the main (fp32) param among the saved state keys
-SIXTEEN = (torch.bfloat16, torch.float16)
 SHOWN = 4  # params named in a text line; --json lists all
 
 _MODEL_SPACE = re.compile(r"^(?P<opt>.*?)optimizer\.state\.(?P<state>[^.]+)\.(?P<key>.+)$")
@@ -68,22 +68,13 @@ _DTYPE_NAME = re.compile(r"torch\.(\w+)")
 # --- what a checkpoint holds ------------------------------------------------------------
 
 
-class Flat:
-    """A 1-D readable tensor: `numel`, `dtype`, `read(start, stop)`."""
-
-    numel: int
-    dtype: torch.dtype
-
-    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor: ...
-
-
 @dataclass
 class Unit:
     """A saved model weight (one chunk of a key): what main params are compared with."""
 
     name: str
-    dtype: torch.dtype
-    source: Any  # Flat
+    dtype: str
+    source: Any  # LazyTensor or RawTensor: numel, dtype, read(start, stop)
 
     @property
     def numel(self) -> int:
@@ -96,10 +87,10 @@ class Region:
 
     optimizer: str  # which optimizer saved it (prefix, data-parallel group, file)
     state: str  # "param" / "fp32_param" (main params), "exp_avg", "exp_avg_sq", ...
-    source: Any  # Flat
+    source: Any  # LazyTensor or RawTensor
     owner: str | None = None  # model space: the unit it belongs to
-    buffer_dtype: torch.dtype | None = None  # buffer space: param dtype of the grad buffer
-    buffer: str = ""  # buffer space: which buffer (and bucket)
+    buffer_dtype: str | None = None  # buffer space: param dtype of the grad buffer
+    buffer: str = ""  # buffer space: which buffer (and bucket); "" in model space
     sharding: str = ""  # the format that wrote it
 
 
@@ -114,18 +105,17 @@ class View:
     note: str = ""
 
 
-def _dtype_of(text: str) -> torch.dtype | None:
+def _dtype_of(text: str) -> str | None:
     m = _DTYPE_NAME.search(text)
-    value = getattr(torch, m.group(1), None) if m else None
-    return value if isinstance(value, torch.dtype) else None
+    return m.group(1) if m else None
 
 
-def _param_dtype(key: Any) -> torch.dtype | None:
+def _param_dtype(key: Any) -> str | None:
     """The param dtype of a grad buffer key: a dtype or (param_dtype, grad_dtype)."""
-    if isinstance(key, torch.dtype):
-        return key
-    if isinstance(key, tuple) and key and isinstance(key[0], torch.dtype):
-        return key[0]
+    if isinstance(key, TorchDType):
+        return str(key)
+    if isinstance(key, tuple) and key and isinstance(key[0], TorchDType):
+        return str(key[0])
     return _dtype_of(str(key))
 
 
@@ -192,7 +182,7 @@ def _dist_view(files: Files, root: Path) -> View:
                 )
         elif (m := _MODEL_SPACE.match(key)) is not None:
             model_space.append((m, item))
-        elif item.dtype.is_floating_point:
+        elif item.dtype in FLOATS:
             for chunk in item.chunks:
                 name = key if len(item.chunks) == 1 else f"{key}{list(chunk.offsets)}"
                 view.units[name] = Unit(name, item.dtype, ckpt.tensor(item, chunk))
@@ -229,11 +219,19 @@ def _legacy_view(files: Files, root: Path, ranks: list[Path]) -> View:
         chunks = [k for k in obj if isinstance(k, str) and re.fullmatch(r"model\d*", k)]
         for chunk in chunks:
             for key, tensor in (obj[chunk] or {}).items():
-                if isinstance(tensor, LazyTensor) and tensor.dtype.is_floating_point:
+                if isinstance(tensor, LazyTensor) and tensor.dtype in FLOATS:
                     prefix = f"{chunk}." if len(chunks) > 1 else ""
                     name = f"{label}:{prefix}{key}"
                     view.units[name] = Unit(name, tensor.dtype, tensor)
         optim_file = rank_dir / "distrib_optim.pt"
+        args = obj.get("args")
+        if (
+            not optim_file.exists()
+            and isinstance(args, Opaque)
+            and args.get("use_distributed_optimizer")
+            and not args.get("no_save_optim")
+        ):
+            raise BadCheckpoint(f"{optim_file} is missing (the run used the distributed optimizer)")
         if optim_file.exists():
             state = load_file(files, optim_file)
             view.objects.append((f"{label}/distrib_optim.pt", state))
@@ -442,176 +440,6 @@ def check_loss_scale(view: View) -> Verdict:
     )
 
 
-# --- locating saved main params among the model weights ----------------------------------
-
-K = 16  # elements per fingerprint
-STRIDE = 64  # fingerprints of the model weights: one per STRIDE elements of each weight
-_MULT = (
-    torch.tensor(
-        [
-            0x5BD1E99,
-            0x1B873593,
-            0x2C1B3C6D,
-            0x297A2D39,
-            0x3243F6A9,
-            0x1F123BB5,
-            0x5851F42D,
-            0x4C957F2D,
-            0x2545F491,
-            0x6A09E667 >> 3,
-            0x3C6EF372 >> 3,
-            0x510E527F >> 3,
-            0x1F83D9AB,
-            0x5BE0CD19,
-            0x428A2F98 >> 3,
-            0x71374491 >> 3,
-        ],
-        dtype=torch.int64,
-    )
-    | 1
-)  # odd, < 2**31: products of 32-bit codes stay far below 2**63 in a sum of 16
-
-
-def codes(t: torch.Tensor) -> torch.Tensor:
-    """Bit patterns as non-negative int64 (equal codes: bitwise equal values)."""
-    if t.dtype == torch.float32:
-        return t.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    if t.dtype in SIXTEEN:
-        return t.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    raise ValueError(f"unsupported dtype {t.dtype}")
-
-
-def fingerprints(c: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fingerprints of the K-element blocks starting every `stride` elements, and which of
-    those blocks are constant (all elements equal: they tell nothing apart)."""
-    n = c.numel()
-    if n < K:
-        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bool)
-    if stride > 1:
-        blocks = c.unfold(0, K, stride)
-        return (blocks * _MULT).sum(1), (blocks == blocks[:, :1]).all(1)
-    m = n - K + 1
-    h = c[:m] * _MULT[0]
-    for j in range(1, K):
-        h += c[j : j + m] * _MULT[j]
-    change = torch.zeros(n, dtype=torch.int64)
-    change[1:] = (c[1:] != c[:-1]).to(torch.int64)
-    changes = torch.cumsum(change, 0)
-    return h, (changes[K - 1 : K - 1 + m] - changes[:m]) == 0
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-@dataclass
-class Run:
-    """Region positions [start, end) hold the main param of `unit` from `unit_start` on."""
-
-    unit: str
-    start: int
-    end: int
-    unit_start: int
-
-
-class Index:
-    """Fingerprints of every model weight, per dtype, sorted for lookup."""
-
-    def __init__(self, units: dict[str, Unit]):
-        self.names = list(units)
-        self.informative: set[str] = set()
-        per_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        for uid, name in enumerate(self.names):
-            unit = units[name]
-            if unit.dtype != torch.float32 and unit.dtype not in SIXTEEN:
-                continue
-            for start in range(0, unit.numel, WINDOW):  # WINDOW is a multiple of STRIDE
-                stop = min(unit.numel, start + WINDOW + K - 1)
-                h, const = fingerprints(codes(unit.source.read(start, stop)), STRIDE)
-                keep = ~const
-                if bool(keep.any()):
-                    self.informative.add(name)
-                offsets = torch.arange(h.numel(), dtype=torch.int64)[keep] * STRIDE + start
-                ids = torch.full((offsets.numel(),), uid, dtype=torch.int64)
-                per_dtype.setdefault(unit.dtype, []).append((h[keep], ids, offsets))
-        self.tables = {}
-        for dtype, parts in per_dtype.items():
-            h = torch.cat([p[0] for p in parts])
-            order = torch.argsort(h)
-            ids = torch.cat([p[1] for p in parts])[order]
-            offs = torch.cat([p[2] for p in parts])[order]
-            self.tables[dtype] = (h[order], ids, offs)
-
-    def locate(self, source: Any, dtypes: tuple[torch.dtype, ...] | None = None) -> list[Run]:
-        """Where in the fp32 tensor `source` the model weights' values are (as main params)."""
-        found: dict[tuple[int, int], list[int]] = {}
-        n = source.numel
-        for start in range(0, n, WINDOW):
-            window = source.read(start, min(n, start + WINDOW + K - 1)).to(torch.float32)
-            for dtype, (table, ids, offs) in self.tables.items():
-                if dtypes is not None and dtype not in dtypes:
-                    continue
-                h, const = fingerprints(codes(_as(window, dtype)), 1)
-                h = h[: min(WINDOW, h.numel())]
-                const = const[: h.numel()]
-                if table.numel() == 0:
-                    continue
-                pos = torch.searchsorted(table, h).clamp(max=table.numel() - 1)
-                hit = (table[pos] == h) & ~const
-                if not bool(hit.any()):
-                    continue
-                p = torch.nonzero(hit).flatten()
-                first = pos[p]
-                # every index entry with that fingerprint (a weight repeated elsewhere)
-                last = torch.searchsorted(table, h[p], right=True)
-                for extra in range(int((last - first).max())):
-                    sel = first + extra < last
-                    q, e = p[sel], (first + extra)[sel]
-                    uid, off = ids[e], offs[e]
-                    key = torch.stack([uid, (q + start) - off], 1)
-                    uniq, inv = torch.unique(key, dim=0, return_inverse=True)
-                    lo = torch.full((uniq.shape[0],), n, dtype=torch.int64).scatter_reduce(
-                        0, inv, q + start, "amin"
-                    )
-                    hi = torch.zeros(uniq.shape[0], dtype=torch.int64).scatter_reduce(
-                        0, inv, q + start, "amax"
-                    )
-                    for (u, delta), a, b in zip(
-                        uniq.tolist(), lo.tolist(), hi.tolist(), strict=True
-                    ):
-                        span = found.setdefault((u, delta), [a, b])
-                        span[0], span[1] = min(span[0], a), max(span[1], b)
-        return [
-            Run(self.names[u], a, min(n, b + K), a - delta) for (u, delta), (a, b) in found.items()
-        ]
-
-
-def _equal(region: Any, unit: Unit) -> bool:
-    """Whether the saved main param, cast to the model dtype, is exactly the model weight."""
-    if region.numel != unit.numel:
-        return False
-    for start in range(0, unit.numel, WINDOW):
-        stop = min(unit.numel, start + WINDOW)
-        main = region.read(start, stop).to(torch.float32)
-        if not torch.equal(codes(_as(main, unit.dtype)), codes(unit.source.read(start, stop))):
-            return False
-    return True
-
-
-def _zero_tail(source: Any) -> int:
-    """How many exact zeros end the tensor (0 if all of it is zero: nothing to tell)."""
-    n, count = source.numel, 0
-    stop = n
-    while stop > 0:
-        start = max(0, stop - WINDOW)
-        nonzero = torch.nonzero(source.read(start, stop) != 0).flatten()
-        if nonzero.numel():
-            return count + (stop - start - 1 - int(nonzero[-1]))
-        count += stop - start
-        stop = start
-    return 0
-
-
 # --- param index and reshard padding --------------------------------------------------------
 
 
@@ -649,8 +477,8 @@ def _sharding_name(value: str) -> str:
     return value
 
 
-def _class(dtype: torch.dtype | None) -> str:
-    return "fp32" if dtype == torch.float32 else "16-bit" if dtype in SIXTEEN else str(dtype)
+def _class(dtype: str | None) -> str:
+    return "fp32" if dtype == "float32" else "16-bit" if dtype in SIXTEEN else str(dtype)
 
 
 @dataclass
@@ -699,9 +527,11 @@ class Audit:
         view, loc = self.view, Located()
         moments = {(r.optimizer, r.owner): r for r in view.regions if r.state == "exp_avg_sq"}
         for region in self.mains:
+            if not region.buffer and region.owner is None:
+                continue  # model space, but its model weight is not in the checkpoint
             loc.checked += 1
-            if region.owner is None:  # buffer space: whose main params does it hold?
-                for run in self.index().locate(region.source):
+            if region.buffer:  # buffer space: whose main params does it hold?
+                for run in self.index().locate(region.source, region.source.dtype):
                     unit = view.units[run.unit]
                     loc.found.add(unit.name)
                     if _class(unit.dtype) != _class(region.buffer_dtype):
@@ -712,11 +542,11 @@ class Audit:
                         )
                 continue
             unit = view.units[region.owner]  # model space: it belongs to its owner
-            if _equal(region.source, unit):
+            if equal(region.source, unit):
                 loc.own += 1
                 loc.found.add(unit.name)
                 continue
-            runs = self.index().locate(region.source)
+            runs = self.index().locate(region.source, region.source.dtype)
             # Another param's main param at the same offsets, over most of the region: saved
             # through another param's index entry. Anything else off its place: read from a
             # shifted offset (own values moved by k elements, the next param's first ones).
@@ -730,13 +560,13 @@ class Audit:
             )
             shifts = sorted({r.unit_start - r.start for r in runs if r.unit == unit.name} - {0})
             spill = sorted({r.unit for r in runs if r.unit != unit.name} - set(moved))
-            tail = _zero_tail(region.source)
+            tail = zero_tail(region.source)
             loc.found.update(moved)
             if moved:
                 loc.moved.append(f"{unit.name} holds the main param of {_names(moved, 2)}")
             elif shifts or spill or tail:
                 sq = moments.get((region.optimizer, region.owner))
-                sq_tail = _zero_tail(sq.source) if sq is not None else 0
+                sq_tail = zero_tail(sq.source) if sq is not None else 0
                 what = [f"shifted by {shifts[0]} elements"] if shifts else []
                 what += [f"holds the first elements of {_names(spill, 1)}"] if spill else []
                 what += [f"last {tail} of {unit.numel} elements zero"] if tail else []
@@ -773,7 +603,7 @@ class Audit:
     def hidden(self) -> list[str]:
         """fp32 and 16-bit params a swap of main params would not show in."""
         owners, loc = self.owners(), self.located()
-        if any(r.owner for r in self.mains):  # model space: values that coincide
+        if any(not r.buffer for r in self.mains):  # model space: values that coincide
             return _coincident(self.view, owners)
         # Buffer space: a swap puts a 16-bit main param in an fp32 buffer and an fp32 one in a
         # 16-bit buffer; it hides only where both cannot be located by value.
@@ -787,15 +617,9 @@ def _coincident(view: View, owners: set[str]) -> list[str]:
     by_value: dict[tuple, list[Unit]] = {}
     for name in sorted(owners):
         unit = view.units[name]
-        if unit.dtype != torch.float32 and unit.dtype not in SIXTEEN:
-            continue
-        target = unit.dtype if unit.dtype in SIXTEEN else torch.bfloat16
-        digest = torch.zeros(2, dtype=torch.int64)
-        for start in range(0, unit.numel, WINDOW):
-            c = codes(_as(unit.source.read(start, min(unit.numel, start + WINDOW)), target))
-            digest[0] += (c * _MULT[torch.arange(c.numel()) % K]).sum()
-            digest[1] += (c * c).sum()
-        by_value.setdefault((unit.numel, *digest.tolist()), []).append(unit)
+        if _class(unit.dtype) in ("fp32", "16-bit"):
+            target = unit.dtype if unit.dtype in SIXTEEN else "bfloat16"
+            by_value.setdefault(digest(unit, target), []).append(unit)
     return [
         " = ".join(u.name for u in units)
         for units in by_value.values()
@@ -835,7 +659,7 @@ def check_param_index(a: Audit) -> Verdict:
             "no DistributedOptimizer state: nothing was saved through its param index.",
             evidence,
         )
-    if not view.units:
+    if not view.units or not any(r.buffer or r.owner for r in a.mains):
         return Verdict(
             name,
             CANNOT_TELL,
@@ -953,14 +777,14 @@ def check_reshard_padding(a: Audit) -> Verdict:
     if a.rec.args is not None:
         keys = ("overlap_grad_reduce", "ddp_bucket_size", "dist_ckpt_optim_fully_reshardable")
         evidence["args"] = {k: a.rec.args.get(k) for k in keys}
-    model_space = [r for r in a.mains if r.buffer_dtype is None]
+    model_space = [r for r in a.mains if not r.buffer]
     if "fully_reshardable" not in a.formats or not model_space:
         return Verdict(
             name, OK, "not a fully_reshardable checkpoint: only that format is affected.", evidence
         )
     if not any(r.owner for r in model_space):
         moments = [r for r in view.regions if r.state == "exp_avg_sq"]
-        zeros = sum(1 for r in moments if _zero_tail(r.source))
+        zeros = sum(1 for r in moments if zero_tail(r.source))
         return Verdict(
             name,
             CANNOT_TELL,

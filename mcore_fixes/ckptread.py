@@ -8,9 +8,11 @@ Two containers hold everything Megatron writes:
   which byte range of which `.distcp` file holds each chunk.
 
 Pickles are read by an unpickler that builds only data: tensors become `LazyTensor`s (where
-their bytes are, never read until asked for, in windows), torch dtypes and sizes their values,
-and any other class an `Opaque` record of its name and state (argparse.Namespace, enums, numpy
-arrays). Nothing from the checkpoint is imported or called. Files are opened read-only.
+their bytes are, never read until asked for, in windows, as numpy arrays), torch dtypes their
+names, sizes tuples, and any other class an `Opaque` record of its name and state
+(torch.distributed.checkpoint's metadata classes, argparse.Namespace, enums, numpy arrays).
+Nothing from the checkpoint is imported or called, torch included: reading needs numpy only.
+Files are opened read-only.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from .errors import UserError
 
@@ -37,7 +39,29 @@ class BadCheckpoint(UserError):
     """A file of the checkpoint is missing, truncated or not what Megatron writes."""
 
 
-@dataclass
+class TorchDType(str):
+    """A torch dtype, by name ("float32", "bfloat16", ...)."""
+
+
+# How each dtype's elements are read: 16-bit floats as their bits (numpy has no bfloat16).
+NUMPY = {
+    "float32": np.float32,
+    "float64": np.float64,
+    "bfloat16": np.uint16,
+    "float16": np.uint16,
+    "int64": np.int64,
+    "int32": np.int32,
+    "int16": np.int16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+}
+FLOATS = ("float32", "float64", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+@dataclass(eq=False)
 class Opaque:
     """An object of a class the reader does not build: its name, constructor args and state."""
 
@@ -84,7 +108,7 @@ class _Shaped:
 class StorageRef:
     archive: Archive
     key: str
-    dtype: torch.dtype
+    dtype: TorchDType
     numel: int
 
 
@@ -98,7 +122,7 @@ class LazyTensor(_Shaped):
     stride: tuple[int, ...]
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> TorchDType:
         return self.storage.dtype
 
     def _contiguous(self) -> bool:
@@ -109,19 +133,29 @@ class LazyTensor(_Shaped):
             expected *= size
         return True
 
-    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Elements [start, stop) of the tensor, flattened in row-major order."""
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Elements [start, stop) of the tensor, flattened in row-major order (see NUMPY)."""
         stop = self.numel if stop is None else stop
+        archive = self.storage.archive
         if self._contiguous():
-            return self.storage.archive.read_elements(
-                self.storage, self.offset + start, stop - start
-            )
+            return archive.read_elements(self.storage, self.offset + start, stop - start)
         span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True))
-        whole = self.storage.archive.read_elements(self.storage, self.offset, span)
-        return whole.as_strided(self.shape, self.stride).reshape(-1)[start:stop].clone()
+        whole = archive.read_elements(self.storage, self.offset, span)
+        strides = [st * whole.itemsize for st in self.stride]
+        view = np.lib.stride_tricks.as_strided(whole, self.shape, strides)
+        return view.reshape(-1)[start:stop].copy()
 
     def item(self) -> float:
-        return float(self.read(0, 1)[0])
+        return to_float32(self.read(0, 1), self.dtype)[0].item()
+
+
+def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Values read as NUMPY[dtype] (16-bit floats as bits), as float32."""
+    if dtype == "bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float16":
+        return values.view(np.float16).astype(np.float32)
+    return values.astype(np.float32, copy=False)
 
 
 def _rebuild_tensor(storage: StorageRef, offset: int, size: Any, stride: Any, *rest: Any) -> Any:
@@ -136,26 +170,20 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: tuple, state: Any) -> 
     return func(*args)
 
 
-_TORCH_DTYPES = {
-    name: getattr(torch, name)
-    for name in (
-        "float32 float float64 double float16 half bfloat16 int8 uint8 int16 short int32 int "
-        "int64 long bool complex64 complex128 float8_e4m3fn float8_e5m2"
-    ).split()
-    if hasattr(torch, name)
-}
+_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "short": "int16",
+            "int": "int32", "long": "int64"}  # fmt: skip
 _STORAGE_DTYPES = {
-    "FloatStorage": torch.float32,
-    "DoubleStorage": torch.float64,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "ByteStorage": torch.uint8,
-    "CharStorage": torch.int8,
-    "ShortStorage": torch.int16,
-    "IntStorage": torch.int32,
-    "LongStorage": torch.int64,
-    "BoolStorage": torch.bool,
-    "UntypedStorage": torch.uint8,
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "ByteStorage": "uint8",
+    "CharStorage": "int8",
+    "ShortStorage": "int16",
+    "IntStorage": "int32",
+    "LongStorage": "int64",
+    "BoolStorage": "bool",
+    "UntypedStorage": "uint8",
 }
 _SAFE_BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "range", "bytes"}
 
@@ -163,10 +191,9 @@ _SAFE_BUILTINS = {"set", "frozenset", "slice", "complex", "bytearray", "range", 
 class _Unpickler(pickle.Unpickler):
     """Builds data only; see the module docstring."""
 
-    def __init__(self, data: bytes, archive: Archive | None, allow_dcp: bool = False):
+    def __init__(self, data: bytes, archive: Archive | None):
         super().__init__(io.BytesIO(data))
         self.archive = archive
-        self.allow_dcp = allow_dcp
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name.startswith("_rebuild_tensor"):
@@ -176,9 +203,9 @@ class _Unpickler(pickle.Unpickler):
         if module == "torch._tensor" and name == "_rebuild_from_type_v2":
             return _rebuild_from_type_v2
         if module in ("torch", "torch.storage") and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        if module == "torch" and name in _TORCH_DTYPES:
-            return _TORCH_DTYPES[name]
+            return TorchDType(_STORAGE_DTYPES[name])
+        if module == "torch" and (name in NUMPY or name in _ALIASES):
+            return TorchDType(_ALIASES.get(name, name))
         if module == "torch" and name == "Size":
             return tuple
         if module == "collections" and name == "OrderedDict":
@@ -187,12 +214,6 @@ class _Unpickler(pickle.Unpickler):
             return getattr(__import__("builtins"), name)
         if module == "copyreg" and name == "_reconstructor":
             return _reconstructor
-        if self.allow_dcp and (
-            module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and name in ("layout", "strided", "contiguous_format"))
-        ):
-            # torch's own checkpoint metadata dataclasses (Metadata, chunks, storage info)
-            return getattr(__import__(module, fromlist=[name]), name)
         return _opaque_class(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
@@ -201,7 +222,7 @@ class _Unpickler(pickle.Unpickler):
         if self.archive is None:
             raise pickle.UnpicklingError("a tensor outside a torch.save archive")
         _, dtype, key, _location, numel = pid[:5]
-        if not isinstance(dtype, torch.dtype):
+        if not isinstance(dtype, TorchDType):
             raise pickle.UnpicklingError(f"unknown storage type {dtype!r}")
         return StorageRef(self.archive, str(key), dtype, int(numel))
 
@@ -300,7 +321,7 @@ class Archive:
     def _has(self, name: str) -> bool:
         return self._prefix + name in self._records
 
-    def read_elements(self, storage: StorageRef, start: int, count: int) -> torch.Tensor:
+    def read_elements(self, storage: StorageRef, start: int, count: int) -> np.ndarray:
         """`count` elements of `storage` from element `start` (a copy, at most a window)."""
         if start < 0 or start + count > storage.numel:
             raise BadCheckpoint(f"{self._where()}: a tensor runs past its storage")
@@ -313,24 +334,21 @@ class Archive:
         if len(local) < 30 or local[:4] != ZIP_MAGIC:
             raise BadCheckpoint(f"{self._where()}: record {name} is damaged")
         name_len, extra_len = struct.unpack("<HH", local[26:30])
-        itemsize = torch.empty((), dtype=storage.dtype).element_size()
+        dtype = np.dtype(NUMPY.get(storage.dtype, np.uint8))
+        itemsize = dtype.itemsize
         begin = header + 30 + name_len + extra_len + start * itemsize
         nbytes = count * itemsize
         if begin + nbytes > size:
             raise BadCheckpoint(f"{self._where()} is truncated")
-        data = bytearray(os.pread(fd, nbytes, begin))
+        data = os.pread(fd, nbytes, begin)
         if len(data) != nbytes:
             raise BadCheckpoint(f"{self._where()} is truncated")
-        if count == 0:
-            return torch.empty(0, dtype=storage.dtype)
-        return torch.frombuffer(data, dtype=storage.dtype)
+        return np.frombuffer(data, dtype=dtype)
 
 
-def unpickle(
-    data: bytes, archive: Archive | None = None, allow_dcp: bool = False, where: str = "pickle"
-) -> Any:
+def unpickle(data: bytes, archive: Archive | None = None, where: str = "pickle") -> Any:
     try:
-        return _Unpickler(data, archive, allow_dcp).load()
+        return _Unpickler(data, archive).load()
     except BadCheckpoint:
         raise
     except Exception as exc:  # noqa: BLE001 - any malformed pickle is one line
@@ -350,18 +368,18 @@ class RawTensor(_Shaped):
     files: Files
     path: Path
     offset: int
-    dtype: torch.dtype
+    dtype: TorchDType
     shape: tuple[int, ...]
 
-    def read(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         stop = self.numel if stop is None else stop
-        fd, size = self.files.open(self.path)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        begin, nbytes = self.offset + start * itemsize, (stop - start) * itemsize
-        data = bytearray(os.pread(fd, nbytes, begin))
+        fd, _ = self.files.open(self.path)
+        dtype = np.dtype(NUMPY.get(self.dtype, np.uint8))
+        begin, nbytes = self.offset + start * dtype.itemsize, (stop - start) * dtype.itemsize
+        data = os.pread(fd, nbytes, begin)
         if len(data) != nbytes:
             raise BadCheckpoint(f"{self.path} is truncated")
-        return torch.frombuffer(data, dtype=self.dtype) if nbytes else torch.empty(0)
+        return np.frombuffer(data, dtype=dtype)
 
 
 @dataclass
@@ -378,7 +396,7 @@ class DistItem:
     """One key of a torch_dist checkpoint: a tensor (dtype, global shape, chunks) or an object."""
 
     key: str
-    dtype: torch.dtype | None  # None: an object (bytes)
+    dtype: TorchDType | None  # None: an object (bytes)
     shape: tuple[int, ...]
     chunks: list[Chunk]
 
@@ -393,48 +411,52 @@ class DistCheckpoint:
             data = meta_path.read_bytes()
         except OSError as exc:
             raise BadCheckpoint(f"{meta_path}: cannot read ({exc.strerror})") from None
-        meta = unpickle(data, None, allow_dcp=True, where=str(meta_path))
-        state = getattr(meta, "state_dict_metadata", None)
-        storage = getattr(meta, "storage_data", None)
+        meta = unpickle(data, None, where=str(meta_path))
+        state = _field(meta, "state_dict_metadata")
+        storage = _field(meta, "storage_data")
         if not isinstance(state, dict) or not isinstance(storage, dict):
             raise BadCheckpoint(f"{meta_path}: not torch.distributed.checkpoint metadata")
         where: dict[str, list[tuple[tuple[int, ...] | None, Any]]] = {}
         for index, info in storage.items():
-            offset = getattr(index, "offset", None)
-            where.setdefault(index.fqn, []).append(
-                (None if offset is None else tuple(offset), info)
-            )
+            offset = _field(index, "offset")
+            key = (None if offset is None else tuple(offset), info)
+            where.setdefault(_field(index, "fqn"), []).append(key)
         self.items: dict[str, DistItem] = {}
         for key, md in state.items():
             entries = where.get(key, [])
             if not entries:
                 raise BadCheckpoint(f"{meta_path}: no storage for {key}")
-            if getattr(md, "transform_descriptors", None):
-                raise BadCheckpoint(f"{key}: stored with transforms the audit cannot read")
-            if hasattr(md, "chunks"):
-                by_offset = {o: i for o, i in entries}
-                chunks = []
-                for c in md.chunks:
-                    info = by_offset.get(tuple(c.offsets))
-                    if info is None:
-                        raise BadCheckpoint(f"{meta_path}: chunk {tuple(c.offsets)} of {key} lost")
-                    chunks.append(self._chunk(tuple(c.offsets), tuple(c.sizes), info))
-                dtype = md.properties.dtype
-                self.items[key] = DistItem(key, dtype, tuple(md.size), chunks)
-            else:
-                info = entries[0][1]
-                self.items[key] = DistItem(key, None, (), [self._chunk((), (), info)])
+            chunks_md = _field(md, "chunks")
+            if chunks_md is None:  # an object (BytesStorageMetadata)
+                self.items[key] = DistItem(key, None, (), [self._chunk((), (), entries[0][1])])
+                continue
+            by_offset = dict(entries)
+            chunks = []
+            for c in chunks_md:
+                offsets, sizes = tuple(_field(c, "offsets")), tuple(_field(c, "sizes"))
+                info = by_offset.get(offsets)
+                if info is None:
+                    raise BadCheckpoint(f"{meta_path}: chunk {offsets} of {key} lost")
+                chunks.append(self._chunk(offsets, sizes, info))
+            props = _field(md, "properties")
+            # TensorProperties pickles its state as a tuple (dtype first) or, older, a dict
+            pstate = props.state if isinstance(props, Opaque) else None
+            dtype = pstate[0] if isinstance(pstate, tuple) and pstate else _field(props, "dtype")
+            if not isinstance(dtype, TorchDType):
+                raise BadCheckpoint(f"{meta_path}: no dtype for {key}")
+            self.items[key] = DistItem(key, dtype, tuple(_field(md, "size")), chunks)
 
     def _chunk(self, offsets: tuple, sizes: tuple, info: Any) -> Chunk:
-        if getattr(info, "transform_descriptors", None):
+        if _field(info, "transform_descriptors"):
             raise BadCheckpoint(f"{self.root}: stored with transforms the audit cannot read")
-        path = self.root / info.relative_path
+        path = self.root / str(_field(info, "relative_path"))
+        offset, length = int(_field(info, "offset")), int(_field(info, "length"))
         _, size = self.files.open(path)
-        if info.offset + info.length > size:
+        if offset + length > size:
             raise BadCheckpoint(
-                f"{path} is truncated ({size} bytes, an item ends at {info.offset + info.length})"
+                f"{path} is truncated ({size} bytes, an item ends at {offset + length})"
             )
-        return Chunk(offsets, sizes, path, int(info.offset), int(info.length))
+        return Chunk(offsets, sizes, path, offset, length)
 
     def tensor(self, item: DistItem, chunk: Chunk) -> LazyTensor | RawTensor:
         """The tensor of one chunk of `item`."""
@@ -451,6 +473,13 @@ class DistCheckpoint:
         """The object of a bytes item (a ShardedObject, the common state)."""
         chunk = item.chunks[0]
         return Archive(self.files, chunk.path, chunk.offset, chunk.length).load()
+
+
+def _field(obj: Any, name: str) -> Any:
+    """A field of a pickled object (an Opaque's state, or a dict)."""
+    if isinstance(obj, Opaque):
+        return obj.get(name)
+    return obj.get(name) if isinstance(obj, dict) else None
 
 
 def walk(obj: Any, path: tuple = ()) -> Any:

@@ -373,12 +373,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     """Whether a checkpoint carries the damage of the series' bugs (see mcore_fixes/audit.py)."""
     try:
-        from . import audit  # noqa: PLC0415 - torch is imported for this verb only
+        from . import audit  # noqa: PLC0415 - numpy is imported for this verb only
     except ImportError as exc:
-        if exc.name != "torch":
+        if exc.name != "numpy":
             raise
         raise UserError(
-            "audit reads checkpoints with torch, which is not importable here"
+            "audit reads checkpoints with numpy: install it (pip install numpy)"
         ) from None
 
     report = audit.audit(Path(args.checkpoint))
@@ -508,7 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a checkpoint directory (torch_dist or torch format), or "
         "the save directory (its latest checkpoint)",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json", action="store_true", help="every check with its evidence and what loading does"
+    )
     p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("info", help="what the importable megatron.core fork contains")

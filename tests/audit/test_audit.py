@@ -277,13 +277,13 @@ def test_truncated_and_corrupt(written, tmp_path, capsys):
     _one_line_error(ckpt, capsys, ".metadata")
 
 
-def test_command_line_one_line_without_torch(tmp_path):
-    """Without torch the verb says so in one line (the tool itself needs no torch)."""
+def test_command_line_one_line_without_numpy(tmp_path):
+    """Without numpy the verb says so in one line (the rest of the tool needs none)."""
     code = (
-        "import sys; sys.modules['torch'] = None; from mcore_fixes.cli import main; "
+        "import sys; sys.modules['numpy'] = None; from mcore_fixes.cli import main; "
         f"sys.exit(main(['audit', {str(tmp_path)!r}]))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2, proc
     assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
-    assert "torch" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "numpy" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

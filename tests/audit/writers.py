@@ -141,11 +141,24 @@ class Pairs(torch.nn.Module):
             setattr(self, name, layer.to(dtype))
 
 
-def pairs(fmt: str):
+class Big(torch.nn.Module):
+    """Five 4096 x 4096 Linears, the fourth in fp32: 84M params, 1.0 GB of optimizer state
+    (fp32 main params, exp_avg, exp_avg_sq), for measuring the audit's memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(5):
+            layer = torch.nn.Linear(4096, 4096)
+            setattr(self, f"layer{i}", layer.to(torch.float32 if i == 3 else torch.bfloat16))
+
+
+def one_step(model_fn, fmt: str, ddp: dict | None = None, args: dict | None = None, **config):
+    """A scenario: the model, one optimizer step, a save in `fmt`."""
+
     def scenario(out: Path) -> None:
-        chunk, optimizer = _build(Pairs())
+        chunk, optimizer = _build(model_fn(), ddp=ddp, **config)
         _step(chunk, optimizer)
-        save(chunk, optimizer, out, fmt, _args(bf16=True))
+        save(chunk, optimizer, out, fmt, _args(**{"bf16": True, **(args or {})}))
 
     return scenario
 
@@ -155,17 +168,15 @@ def mixed(fmt: str, fp32_first: bool = False, lr: float = 1e-2, const: bool = Fa
     `fp32_first` the group is aligned). `const`: weights at 1, biases at 0, lr 0: the values of
     fp32 and bf16 params coincide."""
 
-    def scenario(out: Path) -> None:
-        model = MixedDtypeNet(EQUAL, fp32_first=fp32_first)
+    def model() -> torch.nn.Module:
+        net = MixedDtypeNet(EQUAL, fp32_first=fp32_first)
         if const:
             with torch.no_grad():
-                for name, p in model.named_parameters():
+                for name, p in net.named_parameters():
                     p.fill_(1.0 if name.endswith("weight") else 0.0)
-        chunk, optimizer = _build(model, lr=lr)
-        _step(chunk, optimizer)
-        save(chunk, optimizer, out, fmt, _args(bf16=True))
+        return net
 
-    return scenario
+    return one_step(model, fmt, lr=lr)
 
 
 class DenseAndExpert(torch.nn.Module):
@@ -217,20 +228,8 @@ class Layers(torch.nn.Module):
 def buckets(fmt: str):
     """Several buckets (overlap_grad_reduce, a small bucket size): upstream #5077's bug in
     fully_reshardable saves."""
-
-    def scenario(out: Path) -> None:
-        ddp = dict(overlap_grad_reduce=True, bucket_size=2000)
-        chunk, optimizer = _build(Layers(), ddp=ddp)
-        _step(chunk, optimizer)
-        save(
-            chunk,
-            optimizer,
-            out,
-            fmt,
-            _args(bf16=True, overlap_grad_reduce=True, ddp_bucket_size=2000),
-        )
-
-    return scenario
+    ddp = dict(overlap_grad_reduce=True, bucket_size=2000)
+    return one_step(Layers, fmt, ddp=ddp, args=dict(overlap_grad_reduce=True, ddp_bucket_size=2000))
 
 
 def mimo_fp16(out: Path) -> None:
@@ -314,7 +313,8 @@ SCENARIOS = {
     "mimo-fp16": (2, mimo_fp16),
     **{f"dp2-mixed-{fmt}": (2, mixed(fmt)) for fmt in FORMATS},
     "dp2-buckets-fully_reshardable": (2, buckets("fully_reshardable")),
-    **{f"dp2-pairs-{fmt}": (2, pairs(fmt)) for fmt in FORMATS},
+    **{f"dp2-pairs-{fmt}": (2, one_step(Pairs, fmt)) for fmt in FORMATS},
+    **{f"big-{fmt}": (1, one_step(Big, fmt)) for fmt in FORMATS},  # bench/audit_memory.py
 }
 # What a version cannot write, in the words of its error (see _support.DISTOPT_UNWRITABLE).
 UNWRITABLE = ("flattened_range is not supported", "Unknown sharding_type", "(torch.Size([]), 0,")
