@@ -17,8 +17,8 @@ One verdict per check: `ok`, `damaged` (with the evidence) or `cannot tell` (and
   (so do exp_avg and exp_avg_sq).
 
 Reading is lazy and windowed (mcore_fixes.ckptread, mcore_fixes.locate) and needs numpy, not
-torch: the peak memory is a few windows plus a table of 20 bytes per 64 model weight elements,
-whatever the checkpoint's size.
+torch: the peak memory is a few windows plus a fingerprint table of the model weights (20 bytes
+per 64 elements, 80 MiB at most), whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ KNOWN_SHARDING = (
     "fsdp_dtensor",
 )
 MAIN_KEYS = ("param", "fp32_param")  # the main (fp32) param among the saved state keys
+# What the fork saves wrapped with its layout record ({"param_index_layout": .., key: value})
+# where an earlier version's index would misread the checkpoint: that version then fails.
+GUARDED = ("param_state_sharding_type", "per_bucket_numel_unpadded", "numel_unpadded")
 SHOWN = 4  # params named in a text line; --json lists all
 
 _MODEL_SPACE = re.compile(r"^(?P<opt>.*?)optimizer\.state\.(?P<state>[^.]+)\.(?P<key>.+)$")
@@ -92,6 +95,17 @@ class Region:
     buffer_dtype: str | None = None  # buffer space: param dtype of the grad buffer
     buffer: str = ""  # buffer space: which buffer (and bucket); "" in model space
     sharding: str = ""  # the format that wrote it
+    base: int = 0  # dp_reshardable: where the chunk starts in its bucket
+
+    def padding(self) -> bool:
+        """A dp_reshardable chunk of the gap between two params (params start 64-aligned):
+        MCore saves it from uninitialized memory, which may hold copies of any param."""
+        end = self.base + self.source.numel
+        return (
+            self.sharding == "dp_reshardable"
+            and self.source.numel < 64
+            and (self.base % 64 != 0 and end % 64 == 0)
+        )
 
 
 @dataclass
@@ -159,6 +173,8 @@ def _dist_view(files: Files, root: Path) -> View:
     model_space: list[tuple[re.Match, DistItem]] = []
     for key, item in ckpt.items.items():
         if item.dtype is None:
+            if "_extra_state" in key:  # Transformer Engine's per-layer state: not ours
+                continue
             obj = _unwrap(ckpt.object(item))
             where = key.split("/shard_")[0]
             view.objects.append((where, obj))
@@ -178,6 +194,7 @@ def _dist_view(files: Files, root: Path) -> View:
                         _dtype_of(m["dtype"]),
                         f"gbuf {m['g']} bucket {m['b']}",
                         "dp_reshardable",
+                        chunk.offsets[0],
                     )
                 )
         elif (m := _MODEL_SPACE.match(key)) is not None:
@@ -386,10 +403,13 @@ def _grad_scalers(view: View) -> list[tuple[str, tuple[float, int, int]]]:
             if isinstance(value, dict) and {"scale", "growth_tracker", "hysteresis_tracker"} <= set(
                 value
             ):
-                scale = _scale_value(value["scale"])
-                if scale is None:
+                scale, growth, hysteresis = (
+                    _scale_value(value[k])
+                    for k in ("scale", "growth_tracker", "hysteresis_tracker")
+                )
+                if scale is None or growth is None or hysteresis is None:
                     continue
-                state = (scale, int(value["growth_tracker"]), int(value["hysteresis_tracker"]))
+                state = (scale, int(growth), int(hysteresis))
                 found.append((_where(where, path), state))
     return found
 
@@ -449,15 +469,24 @@ class Records:
 
     layouts: list[tuple[str, str]] = field(default_factory=list)  # (where, param_index_layout)
     sharding: list[tuple[str, str]] = field(default_factory=list)  # (where, sharding type)
+    # Values the fork saves wrapped with the layout ({"param_index_layout": .., key: value}) so
+    # that earlier versions, whose index would misread the checkpoint, fail to load it.
+    wrapped: list[str] = field(default_factory=list)
     args: Any = None
 
 
 def _records(view: View) -> Records:
     rec = Records()
     for where, obj in view.objects:
-        if where.endswith(".param_state_sharding_type") and isinstance(obj, str):
-            rec.sharding.append((where, obj))  # a MIMO module's ShardedObject
+        if isinstance(obj, str):  # a ShardedObject of one entry (non-reshardable formats, MIMO)
+            if where.endswith(".param_state_sharding_type"):
+                rec.sharding.append((where, obj))
+            elif where.endswith(".param_index_layout"):
+                rec.layouts.append((where, obj))
         for path, value in walk(obj):
+            key = path[-1] if path else where.rsplit(".", 1)[-1]  # a ShardedObject: its key
+            if key in GUARDED and isinstance(value, dict) and "param_index_layout" in value:
+                rec.wrapped.append(str(key))
             if not path:
                 continue
             if path[-1] == "param_index_layout" and isinstance(value, str):
@@ -489,6 +518,7 @@ class Located:
     shifted: list[str] = field(default_factory=list)  # own param, from a shifted offset
     padded: list[str] = field(default_factory=list)  # own param, ending in zeros
     unexplained: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # buffers of other dtypes (FP8)
     own: int = 0
     checked: int = 0
     found: set[str] = field(default_factory=set)
@@ -508,7 +538,7 @@ class Audit:
         # DistributedOptimizer main params: a non-distributed optimizer saves its fp32 copies
         # under the same model-space keys, but has no param index (and no sharding type).
         self.mains = [
-            r for r in view.regions if r.state in MAIN_KEYS and (r.buffer_dtype or self.formats)
+            r for r in view.regions if r.state in MAIN_KEYS and (r.buffer or self.formats)
         ]
         self._index: Index | None = None
         self._located: Located | None = None
@@ -527,8 +557,11 @@ class Audit:
         view, loc = self.view, Located()
         moments = {(r.optimizer, r.owner): r for r in view.regions if r.state == "exp_avg_sq"}
         for region in self.mains:
-            if not region.buffer and region.owner is None:
-                continue  # model space, but its model weight is not in the checkpoint
+            if (not region.buffer and region.owner is None) or region.padding():
+                continue  # model space without its model weight; padding
+            if region.buffer and _class(region.buffer_dtype) not in ("fp32", "16-bit"):
+                loc.skipped.append(f"{region.optimizer} ({region.buffer}, {region.buffer_dtype})")
+                continue  # FP8 buffers: their model weights are not what the main params cast to
             loc.checked += 1
             if region.buffer:  # buffer space: whose main params does it hold?
                 for run in self.index().locate(region.source, region.source.dtype):
@@ -556,7 +589,7 @@ class Audit:
                     r.unit
                     for r in runs
                     if r.unit != unit.name and r.unit_start == r.start and r.end - r.start >= half
-                }  # fmt: skip
+                }
             )
             shifts = sorted({r.unit_start - r.start for r in runs if r.unit == unit.name} - {0})
             spill = sorted({r.unit for r in runs if r.unit != unit.name} - set(moved))
@@ -615,11 +648,11 @@ class Audit:
 def _coincident(view: View, owners: set[str]) -> list[str]:
     """fp32 and 16-bit weights whose values coincide (cast to 16 bits)."""
     by_value: dict[tuple, list[Unit]] = {}
-    for name in sorted(owners):
-        unit = view.units[name]
+    units = [view.units[n] for n in sorted(owners)]
+    sixteen = next((u.dtype for u in units if u.dtype in SIXTEEN), "bfloat16")
+    for unit in units:
         if _class(unit.dtype) in ("fp32", "16-bit"):
-            target = unit.dtype if unit.dtype in SIXTEEN else "bfloat16"
-            by_value.setdefault(digest(unit, target), []).append(unit)
+            by_value.setdefault(digest(unit, sixteen), []).append(unit)
     return [
         " = ".join(u.name for u in units)
         for units in by_value.values()
@@ -628,8 +661,13 @@ def _coincident(view: View, owners: set[str]) -> list[str]:
 
 
 FORK_CONVERTS = (
-    "gives each param its own main param and moments back (the checkpoint has no layout "
-    "record, and its values show the grad-buffer-order index) and says so"
+    "reads it in grad-buffer order, as it was written (it has no layout record), so each param "
+    "gets its own main param and moments back, and says so"
+)
+FORK_UNRECORDED = (
+    "reads it in grad-buffer order (the layout of every release) and says so; "
+    "MCORE_UNRECORDED_PARAM_INDEX_LAYOUT=storage_order overrides that for a checkpoint the fork "
+    "(before it recorded its layout) or upstream dev wrote"
 )
 
 
@@ -673,7 +711,10 @@ def check_param_index(a: Audit) -> Verdict:
     aligned = a.buffers_aligned()
     tripwire = sorted({s for _, s in rec.sharding if s not in KNOWN_SHARDING})
     marked = sorted({v for _, v in rec.layouts})
+    not_located = sorted(n for n in a.owners() if n not in loc.found)
     evidence.update(
+        not_located=not_located,
+        fp8_buffers_not_checked=loc.skipped,
         main_param_tensors=loc.checked,
         own=loc.own,
         moved=loc.moved,
@@ -681,6 +722,7 @@ def check_param_index(a: Audit) -> Verdict:
         mixed_dtypes=mixed,
         fp32_buffers_first=aligned,
         sharding_types=sorted({s for _, s in rec.sharding}),
+        wrapped_with_the_record=sorted(set(rec.wrapped)),
     )
     if loc.moved:
         what = (
@@ -706,11 +748,15 @@ def check_param_index(a: Audit) -> Verdict:
             "reader gets other params' state",
         )
     if marked:
+        wrapped = sorted(set(rec.wrapped))
         stock = (
-            f"refuses it: its sharding type {tripwire[0]!r} is unknown there"
+            f"fails to load it (an error): the fork saved {_names(wrapped)} wrapped with the "
+            "record, which earlier versions cannot read (they fail rather than misread a group "
+            "mixing fp32 and 16-bit params)"
+            if wrapped
+            else f"refuses it: its sharding type {tripwire[0]!r} is unknown there"
             if tripwire
-            else "loads it exactly where no group mixes fp32 and 16-bit params, permuted "
-            "where one does"
+            else "loads it exactly: its index is the same for these groups"
         )
         return Verdict(
             name,
@@ -745,8 +791,7 @@ def check_param_index(a: Audit) -> Verdict:
             "storage order or grad-buffer order: the values cannot tell, fp32 and 16-bit params "
             f"coincide ({_names(hidden, 2)}).",
             evidence,
-            fork="takes an unrecorded checkpoint that values cannot place for one written by a "
-            "stock release (grad-buffer order) and says so",
+            fork=FORK_UNRECORDED,
             stock="loads it exactly if stock wrote it",
         )
     if loc.unexplained:
@@ -757,17 +802,19 @@ def check_param_index(a: Audit) -> Verdict:
             f"({_names(loc.unexplained)}): FP8 params, weights changed after the optimizer "
             "state (e.g. QK-clip), or another bug.",
             evidence,
+            fork=FORK_UNRECORDED,
         )
     return Verdict(
         name,
         OK,
         f"storage order: every main param is its own param's ({loc.checked} tensor(s) checked), "
-        "groups mix fp32 and 16-bit params, and no layout record says so (the fork before it "
-        "recorded its layout, or upstream dev with #5835).",
+        "in a model with fp32 and 16-bit params and no layout record. Stock releases write "
+        "this only where no optimizer group mixes them; the fork before it recorded its layout "
+        "and upstream dev (#5835) write it for every group.",
         evidence,
-        fork="loads it exactly",
-        stock="(releases, main) reads it permuted where a group mixes fp32 and 16-bit params, "
-        "silently: load it on the fork",
+        fork="loads it exactly (its 16-bit main params fit storage order only)",
+        stock="(releases, main) loads it exactly if it wrote it; one the fork or dev wrote it "
+        "reads permuted where a group mixes fp32 and 16-bit params, silently",
     )
 
 

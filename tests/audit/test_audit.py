@@ -191,6 +191,9 @@ def test_fork_records_its_layout(written, capsys):
         index = report["checks"][1]
         assert index["verdict"] == OK and index["summary"].startswith("recorded layout"), index
         assert set(index["evidence"]["records"].values()) == {"storage_order"}, index
+        # where stock's index would misread a mixed group, stock cannot load it at all
+        misread = scenario.startswith("mixed-")
+        assert index["on_load"]["stock"].startswith("fails to load it") == misread, index
 
 
 # --- read-only, and bad input ---------------------------------------------------------------
