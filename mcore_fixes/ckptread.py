@@ -31,7 +31,6 @@ import numpy as np
 
 from .errors import UserError
 
-WINDOW = 1 << 22  # elements read at once (16 MiB of fp32)
 ZIP_MAGIC = b"PK\x03\x04"
 
 
@@ -170,8 +169,14 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: tuple, state: Any) -> 
     return func(*args)
 
 
-_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "short": "int16",
-            "int": "int32", "long": "int64"}  # fmt: skip
+_ALIASES = {
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "short": "int16",
+    "int": "int32",
+    "long": "int64",
+}
 _STORAGE_DTYPES = {
     "FloatStorage": "float32",
     "DoubleStorage": "float64",

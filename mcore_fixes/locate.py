@@ -55,13 +55,13 @@ def fingerprints(c: np.ndarray, stride: int) -> tuple[np.ndarray, np.ndarray]:
     if n <= 0:
         return np.empty(0, np.uint64), np.empty(0, bool)
     c = c.astype(np.uint64)
-    starts = np.arange(0, n, stride)
-    h = np.zeros(starts.size, np.uint64)
-    const = np.ones(starts.size, bool)
+    first = c[0:n:stride]
+    h = np.zeros(first.size, np.uint64)
+    const = np.ones(first.size, bool)
     for j in range(K):
-        block = c[starts + j]
+        block = c[j : j + n : stride]  # element j of every block
         h += block * _MULT[j]  # wraps modulo 2**64
-        const &= block == c[starts]
+        const &= block == first
     return h, const
 
 
@@ -170,8 +170,11 @@ class Index:
                 if best is None or back + forward > best[1] + best[2]:
                     best = (self.names[uid], back, forward, unit_at)
             name, back, forward, unit_at = best  # type: ignore[misc]
+            if back + forward < K:  # fingerprints alike, values not: no match
+                at += hit + 1
+                continue
             runs.append(Run(name, pos - back, pos + forward, unit_at - back))
-            at = low = pos + max(forward, 1)
+            at = low = pos + forward
             probe = PROBE
         return runs
 
