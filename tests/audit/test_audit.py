@@ -62,11 +62,13 @@ PLAN = {
     Writer("0.19.2", False): STOCK_019,
     Writer("0.19.2", True): FORK_019,
 }
-if os.environ.get("MCORE_REPO"):  # git baselines: upstream main, pristine and forked
+if os.environ.get("MCORE_REPO"):  # git baselines: upstream main (pristine, forked) and dev
     PLAN[Writer("main", False)] = ["mixed-fully_reshardable", "mixed-legacy", "chained-legacy",
                                    "buckets-fully_reshardable"]  # fmt: skip
     PLAN[Writer("main", True)] = ["mixed-fully_reshardable", "mixed-dp_reshardable",
                                   "chained-legacy", "buckets-fully_reshardable"]  # fmt: skip
+    PLAN[Writer("dev", False)] = ["mixed-fully_reshardable", "mixed-legacy",
+                                  "buckets-fully_reshardable"]  # fmt: skip
 CASES = [(w, s) for w, scenarios in PLAN.items() for s in scenarios]
 
 
@@ -91,9 +93,9 @@ def expected(scenario: str, fork: bool, w: Written) -> dict[str, str]:
     """The verdicts a checkpoint of `scenario` must get, from what the writer's tree does."""
     kind = scenario.removeprefix("dp2-").split("-")[0]
     verdicts = {"loss-scale": OK, "param-index": OK, "reshard-padding": OK}
-    if kind in ("mixed", "pairs") and not fork and not w.code("model_fp32_groups[g] +"):
-        verdicts["param-index"] = DAMAGED  # unpatched index (dev's #5835 has the fix's line)
-    if kind == "coincide" and not (fork and w.code("param_index_layout")):
+    if kind in ("mixed", "pairs") and not w.code("[*model_fp32_params, *model_float16_params]"):
+        verdicts["param-index"] = DAMAGED  # the grad-buffer-order index (not #5835's, not ours)
+    if kind == "coincide" and not w.code("param_index_layout"):
         verdicts["param-index"] = CANNOT_TELL  # values cannot tell; a layout record can
     if kind in ("chained", "mimo") and not fork:
         verdicts["loss-scale"] = DAMAGED
