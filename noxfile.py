@@ -3,7 +3,7 @@
     nox -l                      the sessions; `prove(<baseline>)` and `tests(<baseline>)` per
                                 baseline (not run by default)
     nox                         what CI runs: tool, lint, proofs (every baseline in one venv and
-                                one tool process; git baselines skip without a checkout)
+                                one tool process; git baselines skip without a checkout), audit
     MCORE_REPO=~/Megatron-LM nox -s "prove(main)"
 
 Environments use uv. torch is always installed first, pinned (MCORE_FIXES_TORCH, default
@@ -82,6 +82,7 @@ def lint(session: nox.Session) -> None:
         "tests/tool",
         "tests/proofs",
         "tests/multigpu",
+        "tests/audit",
         "noxfile.py",
         "setup.py",
         "bench",
@@ -100,6 +101,15 @@ def proofs(session: nox.Session) -> None:
     timing = ROOT / "build" / "ci-proofs.json"
     args = ("--jobs", jobs, "--timing", str(timing), *session.posargs)
     session.run("python", "-m", "mcore_fixes", "prove", *args)
+
+
+@nox.session(tags=["ci"])
+def audit(session: nox.Session) -> None:
+    """`audit` on checkpoints that pristine baselines and the fork write (gloo, CPU)."""
+    _install_torch_env(session)
+    session.run(
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/audit", *session.posargs
+    )
 
 
 @nox.session(default=False)

@@ -7,6 +7,10 @@
 #
 #   bash bench/e2e_gpu.sh STAGE OUT
 #
+# Last, `python -m mcore_fixes audit` reads the checkpoints both trees wrote (on CPU) into
+# OUT/audit/NAME.{txt,json}: the fp16 + MoE runs saved right after the injected overflow, and
+# scenario 2's checkpoints (B: pristine's fp32-norm checkpoint and the fork's).
+#
 # Run from the project root: its mcore_fixes applies its patches/ to the fork. STAGE is what
 # bench/e2e_stage.py writes: mlm-main.tar.gz (`git archive` of Megatron-LM main d98e8a64dd) and
 # whl/*.whl (TE and its needs, installed in one `pip install --target` call where `import
@@ -107,6 +111,10 @@ t0=$(date +%s)
 for tree in pristine fork; do
     launch "s1-$tree" $tree "E2E_INJECT_STEP=$S1_INJECT E2E_EXPERT_PGS=1" "${moe[@]}" "${fp16[@]}" \
         --use-distributed-optimizer
+    # the same, saving right after the overflow step (for the audit; s1 itself saves nothing)
+    launch "s1-save-$tree" $tree "E2E_INJECT_STEP=$S1_INJECT E2E_EXPERT_PGS=1" "${moe[@]}" \
+        "${fp16[@]}" --use-distributed-optimizer --ckpt-format torch_dist \
+        --save "$work/ckpt/s1-$tree" --save-interval "$S1_INJECT"
     for fmt in dp full; do
         extra=()
         [ $fmt = full ] && extra=($full)
@@ -158,6 +166,24 @@ done
 wait
 t2=$(date +%s)
 echo "wave 1: $((t1 - t0)) s, wave 2: $((t2 - t1)) s" | tee "$out/e2e-timing.txt"
+
+# audit: every checkpoint named below, as written (exit status 1: damage found)
+mkdir -p "$out/audit"
+for tree in pristine fork; do
+    ckpts=("s1-$tree:$work/ckpt/s1-$tree/iter_$(printf %07d "$S1_INJECT")")
+    for fmt in dp full; do
+        ckpts+=("b-$fmt-$tree:$work/ckpt/b-$fmt-$tree" "a-$fmt-$tree:$work/ckpt/a-$fmt-$tree")
+    done
+    ckpts+=("c-dp-$tree:$work/ckpt/c-dp-$tree")
+    for entry in "${ckpts[@]}"; do
+        name=${entry%%:*} path=${entry#*:}
+        python3 -m mcore_fixes audit "$path" >"$out/audit/$name.txt" 2>&1
+        echo $? >"$out/audit/$name.rc"
+        python3 -m mcore_fixes audit "$path" --json >"$out/audit/$name.json" 2>/dev/null
+    done
+done
+t3=$(date +%s)
+echo "audit: $((t3 - t2)) s" | tee -a "$out/e2e-timing.txt"
 
 python3 "$here/e2e_report.py" "$work/runs" "$out" --inject "$S1_INJECT" --save "$S2_SAVE"
 rc=$?

@@ -339,6 +339,25 @@ def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
     fig.savefig(out / "e2e-fsdp.png", dpi=110)
 
 
+def audit_table(folder: Path) -> list[str]:
+    """`mcore_fixes audit` of the checkpoints (folder/NAME.json, NAME.rc): a verdict per check."""
+    if not folder.is_dir():
+        return []
+    lines = ["", "| checkpoint | exit | loss-scale | param-index | reshard-padding |"]
+    lines.append("| --- | --- | --- | --- | --- |")
+    for rc_file in sorted(folder.glob("*.rc")):
+        name, rc = rc_file.stem, rc_file.read_text().strip()
+        try:
+            report = json.loads((folder / f"{name}.json").read_text())
+            got = {c["check"]: c["verdict"] for c in report["checks"]}
+        except (OSError, ValueError, KeyError):
+            text = (folder / f"{name}.txt").read_text(errors="replace").strip().splitlines()
+            got = {"loss-scale": (text or ["no output"])[-1][:120]}
+        cells = [got.get(c, "") for c in ("loss-scale", "param-index", "reshard-padding")]
+        lines.append(f"| {name} | {rc} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path)
@@ -353,6 +372,7 @@ def main() -> None:
     )
     lines = ["| scenario | tree | verdict | measured |", "| --- | --- | --- | --- |"]
     lines += [f"| {a} | {b} | {v} | {c.replace('|', '/')} |" for a, b, v, c in rows]
+    lines += audit_table(args.out / "audit")
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

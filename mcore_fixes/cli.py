@@ -372,6 +372,26 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Whether a checkpoint carries the damage of the series' bugs (see mcore_fixes/audit.py)."""
+    try:
+        from . import audit  # noqa: PLC0415 - numpy is imported for this verb only
+    except ImportError as exc:
+        if exc.name != "numpy":
+            raise
+        raise UserError(
+            "audit reads checkpoints with numpy: install it (pip install numpy)"
+        ) from None
+
+    report = audit.audit(Path(args.checkpoint))
+    if args.json:
+        print(json.dumps(report.as_json(), indent=1))
+    else:
+        for line in report.text():
+            print(line)
+    return report.exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mcore_fixes", description=__doc__)
     parser.add_argument("--root", type=Path, default=CLONE_ROOT, help=argparse.SUPPRESS)
@@ -489,6 +509,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     p.set_defaults(func=cmd_suites)
 
+    p = sub.add_parser("audit", help="does a checkpoint carry the damage of these bugs? (CPU)")
+    p.add_argument(
+        "checkpoint",
+        help="a checkpoint directory (torch_dist or torch format), or "
+        "the save directory (its latest checkpoint)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="every check with its evidence and what loading does"
+    )
+    p.set_defaults(func=cmd_audit)
+
     p = sub.add_parser("info", help="what the importable megatron.core fork contains")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
@@ -498,9 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.verb != "info":
+        if args.verb not in ("info", "audit"):
             git.git_exe()  # every other verb needs git: say so before doing anything
-        if args.verb in ("apply", "info"):
+        if args.verb in ("apply", "info", "audit"):
             return args.func(args)
         with sources.project_lock(args.root, Progress()):
             return args.func(args)
