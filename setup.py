@@ -11,6 +11,7 @@ The tool is installed too, carrying patches/: `python -m mcore_fixes apply` from
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,14 @@ class BuildPyWithSeries(build_py):
             self.copy_tree(str(ROOT / "patches"), str(target))
 
 
+def requirements(base: dict) -> list[str]:
+    """The base's requirements but torch: pip must neither pull a torch (a multi-GB CUDA build)
+    nor replace the user's (a CUDA or NGC build: `2.6.0a0+...` fails `torch>=2.6.0`). The
+    environment brings torch first (docs/install.md)."""
+    name = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+    return [r for r in base["dependencies"] if name.match(r).group(1).lower() != "torch"]
+
+
 def fork_summary(info: dict) -> str:
     """What this build contains, for the package metadata (also: python -m mcore_fixes info)."""
     lines = [f"# megatron-core {info['baseline']} + mcore-fixes", "", f"Base pin: {info['pin']}"]
@@ -143,7 +152,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache 2.0",
     python_requires=base["requires-python"],
-    install_requires=base["dependencies"],
+    install_requires=requirements(base),
     extras_require=base["optional-dependencies"],
     packages=find_namespace_packages(include=["megatron.core", "megatron.core.*", "mcore_fixes"]),
     package_data=package_data(ROOT / "megatron" / "core"),

@@ -133,3 +133,14 @@ def test_the_build_ships_the_series_with_the_tool(clone, tmp_path):
         p.relative_to(clone / "patches") for p in (clone / "patches").rglob("*") if p.is_file()
     )
     assert not (clone / "mcore_fixes" / "patches").exists()  # nothing written into the clone
+
+
+def test_the_fork_never_makes_pip_pull_or_replace_torch(clone, tmp_path):
+    # The toy base requires ["torch", "numpy"], like megatron-core's `torch>=2.6.0`.
+    r = subprocess.run(
+        [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)],
+        cwd=clone, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    requires = (tmp_path / "megatron_core.egg-info" / "requires.txt").read_text().splitlines()
+    assert "numpy" in requires and not any(line.startswith("torch") for line in requires)
