@@ -414,19 +414,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps((record or {"fork": False}) | data, indent=2))
         return 0 if record else 1
-    print(f"megatron.core at {found.location}")
     if dist is not None:
+        print(f"megatron.core at {found.location}")
         print(f"distribution {installed.describe(dist)}")
-    else:
+    else:  # e.g. run from a clone: its ./megatron is imported first
+        other = installed.describe(found.shadowed) if found.shadowed else "no megatron-core"
         tree = "a tree vendored by `python -m mcore_fixes vendor`" if record else "a source tree"
-        print(f"not an installed distribution: {tree}, first on sys.path (e.g. the current folder)")
-        if found.shadowed is not None:
-            print(
-                f"  it shadows the installed {installed.describe(found.shadowed)}: "
-                "run from another folder to import that one"
-            )
+        print(f"installed: {other}")
+        print(
+            f"here: megatron.core at {found.location}, {tree}, not installed: first on sys.path "
+            "(e.g. the current folder), it is what Python imports here"
+        )
     if record is None:
-        print(f"pristine: no mcore-fixes patch applied (no {INFO_NAME} there)")
+        print(f"not an mcore-fixes build: no {INFO_NAME} in {found.location}")
         return 1
     print(f"base: {record['baseline']} ({record['source']}, pin {record['pin']})")
     for entry in record["applied"]:
