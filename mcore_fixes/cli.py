@@ -563,7 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     p.set_defaults(func=cmd_suites)
 
-    p = sub.add_parser("info", help="what the importable megatron.core fork contains")
+    p = sub.add_parser(
+        "info", help="which megatron-core Python imports here (the fork or not) and its patches"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
     return parser
