@@ -406,13 +406,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     record = found.record
     dist = found.dist
     data: dict = {
+        "fork": record is not None,
         "location": str(found.location),
         "distribution": dist.version if dist else None,
         "installed_in": str(dist.locate_file("")) if dist else None,
         "shadows": installed.describe(found.shadowed) if found.shadowed else None,
     }
     if args.json:
-        print(json.dumps((record or {"fork": False}) | data, indent=2))
+        print(json.dumps((record or {}) | data, indent=2))
         return 0 if record else 1
     if dist is not None:
         print(f"megatron.core at {found.location}")

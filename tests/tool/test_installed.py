@@ -67,7 +67,7 @@ def test_info_of_an_installed_fork(project, tool, tool_only, tmp_path):
     assert "base: 0.1.0 (pypi, pin " in r.out and "applied   fix 1: fix-mean" in r.out
     env = {**os.environ, "PYTHONPATH": f"{tool_only}{os.pathsep}{tmp_path / 'site'}"}
     data = json.loads(run_module(tmp_path, "info", "--json", cwd=tmp_path, env=env).out)
-    assert data["distribution"] == "0.1.0+fixes.3" and data["baseline"] == "0.1.0"
+    assert data["distribution"] == "0.1.0+fixes.3" and data["baseline"] == "0.1.0" and data["fork"]
 
 
 def test_info_in_a_clone_names_the_tree_that_shadows_the_installed_one(
