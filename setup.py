@@ -1,34 +1,64 @@
 """Build the vendored, patched `megatron/core` as the distribution `megatron-core`.
 
 `pip install .` materializes the manifest's default baseline first if `megatron/` is absent
-(`python -m mcore_fixes vendor`). The version is `<base>+fixes.<n>`, n = patches applied; the
-base's own requirements and extras are kept; the applied / not-applicable patches are recorded
-in `megatron/core/_mcore_fixes.json` and in the package summary (`python -m mcore_fixes info`).
+(`python -m mcore_fixes vendor`), or holds a base whose fork cannot install on this Python.
+The version is `<base>+fixes.<n>`, n = patches applied; the base's own requirements and
+extras are kept; the applied / not-applicable patches are recorded in
+`megatron/core/_mcore_fixes.json` and in the package summary (`python -m mcore_fixes info`).
+The tool is installed too, carrying patches/: `python -m mcore_fixes apply` from anywhere.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from setuptools import Extension, find_namespace_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 INFO = ROOT / "megatron" / "core" / "_mcore_fixes.json"
 sys.path.insert(0, str(ROOT))
+from mcore_fixes import manifest  # noqa: E402
 from mcore_fixes.errors import UserError  # noqa: E402
 from mcore_fixes.vendor import unexported_edits  # noqa: E402
 
 
+def replace_unfit_base() -> list[str]:
+    """`vendor` arguments that replace a vendored base whose fork cannot install on this Python
+    (e.g. 0.19.2 needs 3.12) by the default here; [] where it fits. A tree with edits is kept:
+    the error names the one command that fixes it."""
+    try:
+        m = manifest.load(ROOT / "patches" / "manifest.toml")
+        b = m.baselines.get(json.loads(INFO.read_text())["baseline"])
+        here = sys.version_info[:2]
+        if b is None or b.installs_on(here):
+            return []
+        edits = local_edits(ROOT)
+    except UserError as exc:
+        sys.exit(f"mcore-fixes: {exc}")
+    why = (
+        f"megatron/ holds {b.name}, whose fork needs Python >= {b.python}, not {here[0]}.{here[1]}"
+    )
+    if edits != []:  # or None: an interrupted vendor
+        fix = f"python -m mcore_fixes vendor --baseline {m.default} --force"
+        sys.exit(f"mcore-fixes: {why}, and has edits: run `{fix}` (`export` first keeps them)")
+    print(f"mcore-fixes: {why}: vendoring {m.default}, the default here", file=sys.stderr)
+    return ["--baseline", m.default, "--force"]
+
+
 def vendored_info() -> dict:
-    """The vendored tree's record; `vendor` first if there is none (its report on stderr)."""
-    if not INFO.exists():
-        vendor = [sys.executable, "-m", "mcore_fixes", "vendor"]
+    """The vendored tree's record; `vendor` first if there is none or it cannot install here
+    (its report on stderr)."""
+    again = replace_unfit_base() if INFO.exists() else []
+    if again or not INFO.exists():
+        vendor = [sys.executable, "-m", "mcore_fixes", "vendor", *again]
         if subprocess.run(vendor, cwd=ROOT, stdout=sys.stderr).returncode != 0:
-            sys.exit("mcore-fixes: `python -m mcore_fixes vendor` failed (see above)")
+            sys.exit(f"mcore-fixes: `python {' '.join(vendor[1:])}` failed (see above)")
     return json.loads(INFO.read_text())
 
 
@@ -77,6 +107,25 @@ def helpers_extension() -> Extension:
     )
 
 
+class BuildPyWithSeries(build_py):
+    """Ships patches/ (manifest and patch files) inside the installed mcore_fixes: its
+    `apply`, `status` and `info` then run from any directory."""
+
+    def run(self) -> None:
+        super().run()
+        if not self.editable_mode:  # an editable install runs the tool from this clone
+            target = Path(self.build_lib) / "mcore_fixes" / "patches"
+            self.copy_tree(str(ROOT / "patches"), str(target))
+
+
+def requirements(base: dict) -> list[str]:
+    """The base's requirements but torch: pip must neither pull a torch (a multi-GB CUDA build)
+    nor replace the user's (a CUDA or NGC build: `2.6.0a0+...` fails `torch>=2.6.0`). The
+    environment brings torch first (docs/install.md)."""
+    name = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+    return [r for r in base["dependencies"] if name.match(r).group(1).lower() != "torch"]
+
+
 def fork_summary(info: dict) -> str:
     """What this build contains, for the package metadata (also: python -m mcore_fixes info)."""
     lines = [f"# megatron-core {info['baseline']} + mcore-fixes", "", f"Base pin: {info['pin']}"]
@@ -104,10 +153,11 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache 2.0",
     python_requires=base["requires-python"],
-    install_requires=base["dependencies"],
+    install_requires=requirements(base),
     extras_require=base["optional-dependencies"],
     packages=find_namespace_packages(include=["megatron.core", "megatron.core.*", "mcore_fixes"]),
     package_data=package_data(ROOT / "megatron" / "core"),
     ext_modules=[helpers_extension()],
+    cmdclass={"build_py": BuildPyWithSeries},
     zip_safe=False,
 )

@@ -249,94 +249,179 @@ def scenario3(runs: Runs, tolerance: float) -> list[list[str]]:
     return rows
 
 
+# Curves that coincide (a resume bitwise equal to the uninterrupted run) stay visible: a wide
+# pale line under dashed and dotted ones with hollow markers of other shapes and sizes.
+STYLES: list[dict[str, Any]] = [
+    {"ls": "-", "lw": 6, "alpha": 0.3},
+    {"ls": "--", "lw": 1.6, "marker": "o", "ms": 8, "mfc": "none"},
+    {"ls": ":", "lw": 1.8, "marker": "s", "ms": 5, "mfc": "none"},
+    {"ls": "-.", "lw": 1.3, "marker": "^", "ms": 4},
+]
+COLORS = {"pristine": "tab:blue", "fork": "tab:orange", "noconv": "tab:red", "ddp": "tab:green"}
+
+
 def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
+    """e2e-scaler.png, e2e-resume.png and e2e-fsdp.png: one panel per question, a legend in
+    words, a red X (with the error) where a run failed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     def curve(name: str, key: str = "loss") -> tuple[list[int], list[float]]:
         steps = runs.steps(name)
         xs = sorted(s for s in steps if steps[s].get(key) is not None)
         return xs, [steps[s][key] for s in xs]
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for tree, style in (("pristine", "-"), ("fork", "--")):
+    def frame(ax: Any, title: str, ylabel: str) -> None:
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True, steps=[1, 2, 5, 10]))
+        ax.grid(alpha=0.3)
+
+    def mark(ax: Any, x: int, text: str) -> None:
+        ax.axvline(x, color="grey", lw=0.8, ls=":")
+        ax.annotate(
+            text,
+            (x, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -12),
+            textcoords="offset points",
+            fontsize=7,
+            color="dimgrey",
+        )
+
+    def failed(ax: Any, name: str, what: str, where: tuple[float, float] | None) -> None:
+        """A red X where run NAME failed: its last step, else `where`; the error beside it."""
+        if runs.rc(name) in (None, 0):
+            return
+        xs, ys = curve(name)
+        x, y = (xs[-1], ys[-1]) if xs else where or (None, None)
+        if x is None:
+            return
+        error = re.search(r"\b(\w+(?:Error|Exception))\b", runs.failure(name))
+        ax.plot([x], [y], "X", color="crimson", ms=14, mec="black", zorder=5)
+        ax.annotate(
+            f"{what}\n({error.group(1) if error else f'exit {runs.rc(name)}'})",
+            (x, y),
+            xytext=(12, 14),
+            textcoords="offset points",
+            fontsize=8,
+            color="crimson",
+        )
+
+    def panel(ax: Any, title: str, lines: list[tuple[str, str]], key: str = "loss") -> None:
+        """The runs `lines` (name, legend) in one panel; a failed one ends in a red X."""
+        base_x, base_y = curve(lines[0][0], key)
+        at_save = dict(zip(base_x, base_y, strict=True)).get(save)
+        for i, (name, label) in enumerate(lines):
+            tree = "noconv" if "noconv" in name else "ddp" if "ddp" in name else "fork"
+            if "pristine" in name and "from-pristine" not in name:
+                tree = "pristine"
+            ax.plot(*curve(name, key), color=COLORS[tree], label=label, **STYLES[i % len(STYLES)])
+            resume = name.endswith(("-resumed", "-from-pristine"))
+            what = "resume fails" if resume else f"save at {save} fails"
+            failed(ax, name, f"{label.split(',')[0]}: {what}", (save, at_save) if at_save else None)
+        frame(ax, title, {"loss": "lm loss", "grad_norm": "grad norm"}[key])
+        ax.legend(fontsize=8, loc="lower left" if key == "loss" else "best")  # loss falls
+
+    def finish(fig: Any, title: str, name: str) -> None:
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+
+    # 1: each chain's loss scale, pristine and fork, and the loss
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    for ax, tree in zip(axes, ("pristine", "fork"), strict=False):
         steps = runs.steps(f"s1-{tree}")
         xs = sorted(steps)
-        for i, chain in enumerate(("dense", "expert")):
+        for c, chain in enumerate(("dense", "expert")):
             ys = [
-                steps[s]["scalers"][i]["scale"] if len(steps[s]["scalers"]) > i else None
+                steps[s]["scalers"][c]["scale"] if len(steps[s]["scalers"]) > c else None
                 for s in xs
             ]
-            ax1.plot(xs, ys, style, marker="o", ms=3, label=f"{tree} {chain} chain")
-        ax2.plot(*curve(f"s1-{tree}"), style, label=tree)
-    for ax in (ax1, ax2):
-        ax.axvline(inject, color="grey", lw=0.8, ls=":")
-        ax.set_xlabel("iteration")
-        ax.legend()
-    if any(line.get_ydata().size for line in ax1.get_lines()):
-        ax1.set_yscale("log", base=2)
-    ax1.set_title(f"1: loss scale per chain (expert-only overflow at {inject})")
-    ax2.set_title("1: lm loss, fp16 + MoE")
-    fig.tight_layout()
-    fig.savefig(out / "e2e-scaler.png", dpi=110)
+            ax.plot(xs, ys, color=COLORS[tree], label=f"{tree}, {chain} chain", **STYLES[c])
+        if any(line.get_ydata().size for line in ax.get_lines()):
+            ax.set_yscale("log", base=2)
+        frame(ax, f"{tree.capitalize()}: loss scale of each optimizer chain", "loss scale")
+        ax.legend(fontsize=8, loc="upper left")
+    axes[1].sharey(axes[0])
+    panel(axes[2], "Training loss", [("s1-pristine", "pristine"), ("s1-fork", "fork")])
+    for ax in axes:
+        mark(ax, inject, f" inf in one expert grad: step {inject} skipped")
+    finish(
+        fig,
+        f"Scenario 1: FP16 + MoE, an overflow in the expert chain only at iteration {inject}",
+        "e2e-scaler.png",
+    )
 
-    fig, axes = plt.subplots(1, 5, figsize=(26, 4.5))
+    # 2: resumed from the checkpoint of iteration `save` vs uninterrupted
+    def pristine_written(fmt: str) -> list[tuple[str, str]]:
+        return [
+            (f"s2b-{fmt}-pristine", "pristine, uninterrupted"),
+            (f"s2b-{fmt}-pristine-resumed", "pristine, resumed"),
+            (f"s2b-{fmt}-fork-from-pristine", "fork, resumed"),
+            (f"s2b-{fmt}-noconv-from-pristine", "fork without conversion, resumed"),
+        ]
+
+    def routers(fmt: str) -> list[tuple[str, str]]:
+        return [
+            (f"s2a-{fmt}-fork", "fork, uninterrupted"),
+            (f"s2a-{fmt}-fork-resumed", "fork, resumed"),
+            (f"s2a-{fmt}-pristine", "pristine"),
+        ]
+
     panels = [
-        ("2A dp_reshardable", "s2a-dp-fork", ["s2a-dp-fork-resumed", "s2a-dp-pristine"]),
-        ("2A fully_reshardable", "s2a-full-fork", ["s2a-full-fork-resumed", "s2a-full-pristine"]),
+        ("2A MoE, fp32 routers: dp_reshardable", routers("dp")),
+        ("2A MoE, fp32 routers: fully_reshardable", routers("full")),
         (
-            "2C control",
-            "s2c-dp-pristine",
-            ["s2c-dp-pristine-resumed", "s2c-dp-fork-resumed"],
-        ),
-        (
-            "2B dp_reshardable, pristine-written",
-            "s2b-dp-pristine",
-            ["s2b-dp-pristine-resumed", "s2b-dp-fork-from-pristine", "s2b-dp-noconv-from-pristine"],
-        ),
-        (
-            "2B fully_reshardable, pristine-written",
-            "s2b-full-pristine",
+            "2C control, no fp32 params: dp_reshardable",
             [
-                "s2b-full-pristine-resumed",
-                "s2b-full-fork-from-pristine",
-                "s2b-full-noconv-from-pristine",
+                ("s2c-dp-pristine", "pristine, uninterrupted"),
+                ("s2c-dp-pristine-resumed", "pristine, resumed"),
+                ("s2c-dp-fork-resumed", "fork, resumed"),
+            ],
+        ),
+        ("2B pristine's dp_reshardable checkpoint", pristine_written("dp")),
+        ("2B pristine's fully_reshardable checkpoint", pristine_written("full")),
+        (
+            "2B the fork's own checkpoints",
+            [
+                ("s2b-dp-fork", "fork, uninterrupted"),
+                ("s2b-dp-fork-resumed", "fork, resumed (dp_reshardable)"),
+                ("s2b-full-fork-resumed", "fork, resumed (fully_reshardable)"),
             ],
         ),
     ]
-    for ax, (title, base, resumed) in zip(axes, panels, strict=True):
-        ax.plot(*curve(base), "-", marker="o", ms=3, label=f"{base} (uninterrupted)")
-        if not runs.steps(base):
-            ax.text(0.5, 0.5, f"{base}: no steps", transform=ax.transAxes, ha="center")
-        for name in resumed:
-            failed = ""
-            if runs.rc(name) is not None and runs.failure(name):
-                failed = " (resume fails)" if "resumed" in name else " (save fails)"
-            ax.plot(*curve(name), "--", marker="x", ms=5, label=name + failed)
-        ax.axvline(save, color="grey", lw=0.8, ls=":")
-        ax.set_title(f"{title}, save at {save}")
-        ax.set_xlabel("iteration")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "e2e-resume.png", dpi=110)
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9.5))
+    for ax, (title, lines) in zip(axes.flat, panels, strict=True):
+        panel(ax, title, lines)
+        mark(ax, save, f" checkpoint of iteration {save}")
+    finish(
+        fig,
+        f"Scenario 2: fp32 params in 16-bit groups, resumed from the checkpoint of "
+        f"iteration {save}: exact where it lies on the uninterrupted run",
+        "e2e-resume.png",
+    )
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, label, style in (
-        ("s3-fsdp-pristine", "Megatron-FSDP, pristine", "-"),
-        ("s3-fsdp-fork", "Megatron-FSDP, fork", "-"),
-        ("s3-ddp-fork", "DDP reference (fork)", "--"),
-    ):
-        ax1.plot(*curve(name), style, marker="o", ms=3, label=label)
-        ax2.plot(*curve(name, "grad_norm"), style, marker="o", ms=3, label=label)
-    ax1.set_title("3: lm loss (precision-aware FusedAdam, flag default)")
-    ax2.set_title("3: grad norm")
-    for ax in (ax1, ax2):
-        ax.set_xlabel("iteration")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "e2e-fsdp.png", dpi=110)
+    # 3: Megatron-FSDP with the precision-aware optimizer vs DDP
+    lines = [
+        ("s3-ddp-fork", "DDP + distributed optimizer (reference)"),
+        ("s3-fsdp-fork", "Megatron-FSDP, fork"),
+        ("s3-fsdp-pristine", "Megatron-FSDP, pristine"),
+    ]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    panel(ax1, "Training loss", lines)
+    panel(ax2, "Grad norm", lines, key="grad_norm")
+    finish(
+        fig,
+        "Scenario 3: Megatron-FSDP + precision-aware FusedAdam, "
+        "megatron_fsdp_use_decoupled_grad left at its default",
+        "e2e-fsdp.png",
+    )
 
 
 def audit_table(folder: Path) -> list[str]:

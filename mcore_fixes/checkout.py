@@ -6,6 +6,8 @@ import json
 import os
 import re
 import shutil
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import git, sources
@@ -147,26 +149,47 @@ Todo = list[tuple[str, Path, str, tuple[str, ...]]]  # (patch id, file, text, gi
 APPLY = ("apply", "--whitespace=nowarn")  # the user's apply.whitespace=error is for their diffs
 
 
-def apply(manifest: Manifest, checkout: Path, b: Baseline, commit: bool) -> list[tuple[str, str]]:
-    """Apply every patch of `b` not yet present; return (patch id, what happened) per patch.
+APPLY_REFLOG = "mcore_fixes apply"  # HEAD's reflog message: how `unapply` finds the apply
+UNAPPLY_REFLOG = "mcore_fixes unapply"
+
+
+@dataclass
+class Outcome:
+    report: list[tuple[str, str]]  # (patch id, what happened / would happen)
+    touched: list[str] = field(default_factory=list)  # files the series changed (or would)
+
+
+def apply(
+    manifest: Manifest, checkout: Path, b: Baseline, commit: bool, dry_run: bool = False
+) -> Outcome:
+    """Apply every patch of `b` not yet present; report what happened per patch.
 
     Everything is checked before anything is written: a dirty touched file, staged changes
     (commit mode), an operation in progress or a conflict refuses with the checkout untouched.
     The commits are built as objects first (scratch index, `commit-tree`); the checkout then
     moves in one step (`read-tree -m -u`, `update-ref`), journaled, with SIGINT/SIGTERM held:
     an interrupted run is completed or undone by the next one. Runs are serialized per work
-    tree (a lock on its git dir, like the project lock).
+    tree (a lock on its git dir, like the project lock). `dry_run`: the same checks and
+    answers, nothing written (scratch index and new objects in a temporary folder).
     """
     gitdir = Path(git.out(checkout, "rev-parse", "--absolute-git-dir"))
-    for path in (gitdir, checkout):
+    for path in (gitdir, checkout) if not dry_run else ():
         if not os.access(path, os.W_OK):
             raise UserError(f"{path} is not writable: cannot apply the series to {checkout}")
     with sources.project_lock(gitdir, Progress(enabled=True)):
         state = gitdir / STATE_DIR
+        if dry_run:
+            pending = "an interrupted apply is pending: the next apply completes or undoes it"
+            with tempfile.TemporaryDirectory(prefix="mcore-fixes-dry-run-") as tmp:
+                odb = _scratch_odb(tmp, checkout)
+                outcome = _apply(manifest, checkout, b, commit, Path(tmp), odb)
+            if (state / JOURNAL).exists():
+                outcome.report.insert(0, ("(recovery)", pending))
+            return outcome
         recovered = _recover(checkout, state)
         state.mkdir(exist_ok=True)
         try:
-            report = _apply(manifest, checkout, b, commit, state)
+            outcome = _apply(manifest, checkout, b, commit, state, {})
         except CheckFailed as exc:
             if recovered:  # said with the refusal, so that it is not lost
                 raise CheckFailed(f"{recovered}; then: {exc}") from None
@@ -174,7 +197,84 @@ def apply(manifest: Manifest, checkout: Path, b: Baseline, commit: bool) -> list
         finally:
             if not (state / JOURNAL).exists():
                 shutil.rmtree(state, ignore_errors=True)
-    return ([("(recovery)", recovered)] if recovered else []) + report
+    if recovered:
+        outcome.report.insert(0, ("(recovery)", recovered))
+    return outcome
+
+
+def unapply(checkout: Path) -> tuple[str, str]:
+    """Move HEAD back to where the last `apply` found it; return (HEAD before it, after it).
+
+    The commit `apply` started from is in HEAD's reflog (its message APPLY_REFLOG). Refused,
+    nothing changed, unless HEAD is still the commit `apply` made. The checkout moves as
+    `apply` moved it (`read-tree -m -u`, `update-ref`): files the series changed must be
+    unmodified, and every other uncommitted change, staged or not, stays as it is.
+    """
+    gitdir = Path(git.out(checkout, "rev-parse", "--absolute-git-dir"))
+    for path in (gitdir, checkout):
+        if not os.access(path, os.W_OK):
+            raise UserError(f"{path} is not writable: cannot undo the series in {checkout}")
+    with sources.project_lock(gitdir, Progress(enabled=True)):
+        _recover(checkout, gitdir / STATE_DIR)
+        orig, new = _last_apply(checkout)
+        touched = git.out(checkout, "diff", "--name-only", orig, new).splitlines()
+        dirty = git.out(checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched)
+        if dirty:
+            raise CheckFailed(
+                f"{checkout} has uncommitted changes in files the series changed; commit or "
+                f"stash them first (nothing was changed):\n{dirty}"
+            )
+        with git.signals_held():
+            failed = _move(checkout, new, orig, UNAPPLY_REFLOG)
+        if failed:
+            raise CheckFailed(f"{checkout} left unchanged: git failed: {failed}")
+    return new, orig
+
+
+def _move(checkout: Path, old: str, new: str, message: str) -> str:
+    """Index, work tree and HEAD from commit `old` to `new` in one step (signals held by the
+    caller): the files by `read-tree -m -u` (refused if a file it changes is modified; other
+    uncommitted work stays as it is), then HEAD; if HEAD moved meanwhile, the files go back.
+    Returns git's error, or "" when done."""
+    proc = git.run(checkout, "read-tree", "-m", "-u", old, new, check=False)
+    if proc.returncode == 0:
+        proc = git.run(checkout, "update-ref", "-m", message, "HEAD", new, old, check=False)
+        if proc.returncode != 0:
+            git.run(checkout, "read-tree", "-m", "-u", new, old, check=False)
+    return proc.stderr.strip() if proc.returncode != 0 else ""
+
+
+def _last_apply(checkout: Path) -> tuple[str, str]:
+    """(the commit `apply` started from, the one it made), from HEAD's reflog."""
+    proc = git.run(checkout, "log", "-g", "--format=%H %gs", "HEAD", check=False)
+    entries = [line.split(" ", 1) + [""] for line in proc.stdout.splitlines()]
+    ours = [i for i, (_, what, *_) in enumerate(entries) if what.startswith("mcore_fixes ")]
+    if not ours or entries[ours[0]][1] != APPLY_REFLOG:
+        last = "was undone already" if ours else "is not in HEAD's reflog"
+        raise CheckFailed(f"{checkout}: nothing to undo: the last `mcore_fixes apply` {last}")
+    i = ours[0]
+    new = entries[i][0]
+    orig = entries[i + 1][0] if i + 1 < len(entries) else ""
+    head = git.out(checkout, "rev-parse", "HEAD")
+    if not orig or head != new:
+        raise CheckFailed(
+            f"{checkout}: HEAD moved since the series was applied (it made {new[:12]} on "
+            f"{orig[:12] or 'an unrecorded commit'}, HEAD is {head[:12]}); nothing was changed"
+        )
+    return orig, new
+
+
+def _scratch_odb(tmp: str, checkout: Path) -> dict[str, str]:
+    """git environment that writes new objects into `tmp` and reads the checkout's too; no
+    opportunistic index refresh (`git status` would rewrite .git/index)."""
+    objects = Path(tmp) / "objects"
+    objects.mkdir()
+    real = (checkout / git.out(checkout, "rev-parse", "--git-path", "objects")).resolve()
+    return {
+        "GIT_OBJECT_DIRECTORY": str(objects),
+        "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(real),
+        "GIT_OPTIONAL_LOCKS": "0",
+    }
 
 
 def _recover(checkout: Path, state: Path) -> str:
@@ -216,8 +316,10 @@ def _recover(checkout: Path, state: Path) -> str:
 
 
 def _apply(
-    manifest: Manifest, checkout: Path, b: Baseline, commit: bool, state: Path
-) -> list[tuple[str, str]]:
+    manifest: Manifest, checkout: Path, b: Baseline, commit: bool, state: Path, odb: dict[str, str]
+) -> Outcome:
+    """`odb`: {} (objects into the checkout's repository) or a dry run's `_scratch_odb`."""
+    dry_run = bool(odb)
     for marker in ("rebase-apply", "rebase-merge", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD"):
         if (checkout / git.out(checkout, "rev-parse", "--git-path", marker)).exists():
             raise CheckFailed(
@@ -227,8 +329,8 @@ def _apply(
 
     # Classify each patch against HEAD in a scratch index: the checkout is not touched.
     orig = git.out(checkout, "rev-parse", "HEAD")
-    contained = _contained_prefix(manifest, checkout, b, orig, state)
-    env = {"GIT_INDEX_FILE": str(state / "index")}
+    contained = _contained_prefix(manifest, checkout, b, orig, state, odb)
+    env = {**odb, "GIT_INDEX_FILE": str(state / "index")}
     git.run(checkout, "read-tree", orig, env=env)
     report: list[tuple[str, str]] = []
     todo: Todo = []
@@ -256,26 +358,34 @@ def _apply(
         report += [(p.id, line) for line in left_out_lines(p.id, left_out)]
         todo.append((p.id, path, text, opts))
     if not todo:
-        return report
+        return Outcome(report)
 
     touched = sorted({t for _, _, text, _ in todo for t in git.touched_paths(text)})
-    new = _commit_chain(checkout, orig, todo, state)  # objects only: the checkout is untouched
-    _refuse_what_is_in_the_way(checkout, orig, new, touched)
-    dirty = git.out(checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched)
+    new = _commit_chain(checkout, orig, todo, state, odb)  # objects only: checkout untouched
+    _refuse_what_is_in_the_way(checkout, orig, new, touched, odb)
+    dirty = git.out(
+        checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched, env=odb
+    )
     if dirty:
-        if _staged(checkout, new, touched):
+        if _staged(checkout, new, touched, odb):
             if not commit:
-                return _ordered(manifest, report, todo, "already applied (staged, not committed)")
+                how = "already applied (staged, not committed)"
+                return Outcome(_ordered(manifest, report, todo, how), touched)
             raise CheckFailed(
                 f"{checkout}: the series is applied but not committed (apply --no-commit?): "
-                "`git commit` it, or discard it (`git reset --hard`), then run again"
+                f"`git commit` it, or discard it ({restore_command(checkout, touched)}), "
+                "then run again"
             )
         raise CheckFailed(
             f"{checkout} has uncommitted changes in files the series touches; commit or stash "
             f"them first (nothing was changed):\n{dirty}"
         )
-    if commit and not git.ok(checkout, "diff", "--cached", "--quiet"):
+    if commit and not git.ok(checkout, "diff", "--cached", "--quiet", env=odb):
         raise CheckFailed(f"{checkout} has staged changes; commit or unstage them first")
+    changed = git.out(checkout, "diff", "--name-only", orig, new, env=odb).splitlines()
+    if dry_run:
+        how = "would be committed" if commit else "would be staged (not committed)"
+        return Outcome(_ordered(manifest, report, todo, how, manifest.root), changed)
 
     # The series' tree into the index and work tree in one step (`read-tree -m -u`), then HEAD
     # (unless --no-commit). Journaled with the touched files' bytes: if git fails partway (a
@@ -288,13 +398,11 @@ def _apply(
     with git.signals_held():
         proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
         if proc.returncode == 0 and commit:
-            ref = git.run(
-                checkout, "update-ref", "-m", "mcore_fixes apply", "HEAD", new, orig, check=False
-            )
+            ref = git.run(checkout, "update-ref", "-m", APPLY_REFLOG, "HEAD", new, orig, check=False)
             if ref.returncode != 0:  # HEAD moved meanwhile: put the files back
                 git.run(checkout, "read-tree", "-m", "-u", new, orig, check=False)
                 proc = ref
-            else:  # as `git am` does: `git reset --hard ORIG_HEAD` undoes the series
+            else:  # as `git am` does (`unapply` undoes it, keeping uncommitted work)
                 git.run(checkout, "update-ref", "ORIG_HEAD", orig, check=False)
         kept = _restore(checkout, state, orig, new, backup) if proc.returncode != 0 else []
         (state / JOURNAL).unlink()
@@ -307,8 +415,9 @@ def _apply(
             )
         raise CheckFailed(f"{checkout} left unchanged: git failed: {why}")
     if not commit:
-        return _ordered(manifest, report, todo, "staged in the index and work tree (not committed)")
-    return _ordered(manifest, report, todo, "committed")
+        how = "staged in the index and work tree (not committed)"
+        return Outcome(_ordered(manifest, report, todo, how), changed)
+    return Outcome(_ordered(manifest, report, todo, "committed"), changed)
 
 
 def _git_error(stderr: str) -> str:
@@ -318,20 +427,17 @@ def _git_error(stderr: str) -> str:
     return (fatal or lines or ["no message"])[-1]
 
 
-def _refuse_what_is_in_the_way(checkout: Path, orig: str, new: str, touched: list[str]) -> None:
+def _refuse_what_is_in_the_way(
+    checkout: Path, orig: str, new: str, touched: list[str], odb: dict[str, str]
+) -> None:
     """Refuse (as `git am` does) where a file the series creates exists untracked or ignored,
     or a directory on its way is a symlink or a file: git would overwrite or write through it."""
-    tracked = set(_nul(git.run(checkout, "ls-files", "-z", "--", *touched).stdout))
-    tracked |= set(
-        _nul(git.run(checkout, "ls-tree", "-r", "-z", "--name-only", orig, "--", *touched).stdout)
-    )
-    created = [
-        rel
-        for rel in _nul(
-            git.run(checkout, "ls-tree", "-r", "-z", "--name-only", new, "--", *touched).stdout
-        )
-        if rel not in tracked
-    ]
+
+    def names(*args: str) -> set[str]:
+        return set(_nul(git.run(checkout, *args, "--", *touched, env=odb).stdout))
+
+    tracked = names("ls-files", "-z") | names("ls-tree", "-r", "-z", "--name-only", orig)
+    created = sorted(names("ls-tree", "-r", "-z", "--name-only", new) - tracked)
     for rel in created:
         parts = rel.split("/")
         for i in range(1, len(parts)):
@@ -446,15 +552,22 @@ def _written_by_git(checkout: Path, rel: str, path: Path, blob: str | None) -> b
     return False
 
 
-def _staged(checkout: Path, new: str, touched: list[str]) -> bool:
+def restore_command(checkout: Path, touched: list[str]) -> str:
+    """The git command that puts `touched` back to HEAD in the index and work tree (files
+    HEAD lacks are removed): the undo of `apply --no-commit`, which touches nothing else."""
+    files = " ".join(touched)
+    return f"git -C {checkout} restore --source=HEAD --staged --worktree -- {files}"
+
+
+def _staged(checkout: Path, new: str, touched: list[str], odb: dict[str, str]) -> bool:
     """Whether the index and work tree already hold the series' files (`apply --no-commit`)."""
-    return git.ok(checkout, "diff", "--cached", "--quiet", new, "--", *touched) and git.ok(
-        checkout, "diff", "--quiet", "--", *touched
+    return git.ok(checkout, "diff", "--cached", "--quiet", new, "--", *touched, env=odb) and git.ok(
+        checkout, "diff", "--quiet", "--", *touched, env=odb
     )
 
 
 def _contained_prefix(
-    manifest: Manifest, checkout: Path, b: Baseline, orig: str, state: Path
+    manifest: Manifest, checkout: Path, b: Baseline, orig: str, state: Path, odb: dict[str, str]
 ) -> set[str]:
     """The patches of the longest leading part of the series that `orig` already contains.
 
@@ -463,7 +576,7 @@ def _contained_prefix(
     own way (not in the tree) are stepped over.
     """
     chain = [(p, path) for p in manifest.patches if (path := manifest.patch_file(b, p))]
-    env = {"GIT_INDEX_FILE": str(state / "index-prefix")}
+    env = {**odb, "GIT_INDEX_FILE": str(state / "index-prefix")}
     for k in range(len(chain), 0, -1):
         git.run(checkout, "read-tree", orig, env=env)
         undone: set[str] = set()
@@ -483,10 +596,10 @@ def _contained_prefix(
     return set()
 
 
-def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
+def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path, odb: dict[str, str]) -> str:
     """One commit object per patch (author, date and message as `git am` takes them)."""
     identity = {} if git.ok(checkout, "var", "GIT_COMMITTER_IDENT") else git.TOOL_IDENTITY
-    index = {"GIT_INDEX_FILE": str(state / "index")}
+    index = {**odb, "GIT_INDEX_FILE": str(state / "index")}
     git.run(checkout, "read-tree", parent, env=index)
     for _, path, text, opts in todo:
         msg = state / "msg"
@@ -509,15 +622,26 @@ def _commit_chain(checkout: Path, parent: str, todo: Todo, state: Path) -> str:
             tree,
             "-p",
             parent,
-            env={**identity, **author},
+            env={**odb, **identity, **author},
             input=message.encode(),
         ).stdout.strip()
     return parent
 
 
 def _ordered(
-    manifest: Manifest, report: list[tuple[str, str]], todo: Todo, how: str
+    manifest: Manifest,
+    report: list[tuple[str, str]],
+    todo: Todo,
+    how: str,
+    files_under: Path | None = None,
 ) -> list[tuple[str, str]]:
-    report = report + [(patch_id, how) for patch_id, *_ in todo]
+    """The report in series order; `files_under`: name each patch file (relative to it)."""
+    if files_under is None:
+        report = report + [(patch_id, how) for patch_id, *_ in todo]
+    else:
+        report = report + [
+            (patch_id, f"{how} (patches/{path.relative_to(files_under).as_posix()})")
+            for patch_id, path, *_ in todo
+        ]
     order = [p.id for p in manifest.patches]
     return sorted(report, key=lambda r: (order.index(r[0]), r[1].startswith("left out")))

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import importlib.metadata
-import importlib.util
 import json
 import os
 import shlex
@@ -14,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import checkout, git, lint, report, sources, variants
+from . import checkout, git, installed, lint, report, sources, variants
 from . import manifest as manifest_mod
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
@@ -41,10 +39,47 @@ from .vendor import (
 )
 
 CLONE_ROOT = Path(__file__).resolve().parent.parent
+# `pip install <clone>` ships patches/ (manifest and patch files) inside the package (setup.py)
+PACKAGED_SERIES = Path(__file__).resolve().parent / "patches"
+# verbs that read or write a clone of this project (./megatron, patches/, tests/proofs, build/)
+CLONE_ONLY = (
+    "vendor",
+    "export",
+    "regen",
+    "graft-tests",
+    "prove",
+    "lint-patches",
+    "suites",
+    "upstream",
+)
+
+
+def locate(args: argparse.Namespace) -> None:
+    """Set args.root (the project: its build/ holds the pristine trees) and args.series (the
+    patches/ folder): the clone this tool runs from, or `--root`; for an installed tool, the
+    series it carries and a work folder in the download cache. Runs from any directory."""
+    if args.root is None and (CLONE_ROOT / "patches" / "manifest.toml").is_file():
+        args.root = CLONE_ROOT
+    if args.root is not None:
+        args.series = args.root / "patches"
+        return
+    if args.verb in CLONE_ONLY:
+        raise UserError(
+            f"`{args.verb}` works on a clone of mcore-fixes (its patches/, ./megatron and "
+            f"tests): run `python -m mcore_fixes {args.verb}` from the clone's root folder"
+        )
+    if not (PACKAGED_SERIES / "manifest.toml").is_file():
+        raise UserError(
+            f"this mcore_fixes ({PACKAGED_SERIES.parent}) carries no series: reinstall it "
+            "(`pip install --no-deps <clone>`) or run `python -m mcore_fixes` from the clone's root"
+        )
+    args.series = PACKAGED_SERIES
+    args.root = sources.cache_dir() / "work"
+    args.root.mkdir(parents=True, exist_ok=True)
 
 
 def _manifest(args: argparse.Namespace) -> Manifest:
-    return manifest_mod.load(args.root / "patches" / "manifest.toml")
+    return manifest_mod.load(args.series / "manifest.toml")
 
 
 def _trees(args: argparse.Namespace) -> Path:
@@ -105,12 +140,38 @@ def cmd_apply(args: argparse.Namespace) -> int:
     else:
         b, why = checkout.detect_baseline(m, top)
     print(f"{top}: baseline {b.name} ({why})")
-    results = checkout.apply(m, top, b, commit=not args.no_commit)
-    for patch_id, what in results:
+    before = git.out(top, "rev-parse", "HEAD")
+    outcome = checkout.apply(m, top, b, commit=not args.no_commit, dry_run=args.dry_run)
+    for patch_id, what in outcome.report:
         print(f"  {patch_id}: {what}")
     done = ("already applied", "absent", "fixed upstream")
-    if all(what.startswith(done) for _, what in results):
+    if all(what.startswith(done) for _, what in outcome.report):
         print("nothing to do: the series is already applied")
+        return 0
+    detached = not git.ok(top, "symbolic-ref", "-q", "HEAD")
+    if args.dry_run:
+        print(f"dry run, nothing written: the series would change {len(outcome.touched)} file(s):")
+        print("".join(f"  {path}\n" for path in outcome.touched), end="")
+    elif args.no_commit:
+        print(f"undo: {checkout.restore_command(top, outcome.touched)}")
+    elif git.out(top, "rev-parse", "HEAD") != before:
+        print(f"undo: python -m mcore_fixes unapply {top}   (HEAD was {before[:12]})")
+    if detached and not args.no_commit:
+        tag = git.run(top, "describe", "--tags", "--exact-match", before, check=False).stdout
+        at = f" at {tag.strip()}" if tag.strip() else ""
+        would = "would be" if args.dry_run else "are"
+        print(
+            f"HEAD is detached{at}: the commits {would} on no branch; to keep them on one: "
+            f"git -C {top} switch -c BRANCH-NAME"
+        )
+    return 0
+
+
+def cmd_unapply(args: argparse.Namespace) -> int:
+    top = checkout.toplevel(Path(args.checkout).resolve())
+    new, orig = checkout.unapply(top)
+    print(f"{top}: HEAD back at {orig[:12]}, where `apply` found it (it was {new[:12]})")
+    print(f"  to apply the series again: python -m mcore_fixes apply {top}")
     return 0
 
 
@@ -343,31 +404,37 @@ def cmd_upstream(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    try:
-        spec = importlib.util.find_spec("megatron.core")
-    except ModuleNotFoundError:  # no `megatron` package at all
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("megatron.core is not importable here (install the fork, or vendor)")
-    where = Path(list(spec.submodule_search_locations)[0])
-    info_path = where / INFO_NAME
-    if not info_path.exists():
-        print(f"megatron.core at {where} is not an mcore-fixes build (no {INFO_NAME})")
-        return 1
-    info = json.loads(info_path.read_text())
-    try:
-        dist = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        dist = "not installed (vendored tree)"
+    found = installed.imported()
+    record = found.record
+    dist = found.dist
+    data: dict = {
+        "fork": record is not None,
+        "location": str(found.location),
+        "distribution": dist.version if dist else None,
+        "installed_in": str(dist.locate_file("")) if dist else None,
+        "shadows": installed.describe(found.shadowed) if found.shadowed else None,
+    }
     if args.json:
-        print(json.dumps(info | {"location": str(where), "distribution": dist}, indent=2))
-        return 0
-    print(f"megatron.core at {where}")
-    print(f"distribution megatron-core {dist}")
-    print(f"base: {info['baseline']} ({info['source']}, pin {info['pin']})")
-    for entry in info["applied"]:
+        print(json.dumps((record or {}) | data, indent=2))
+        return 0 if record else 1
+    if dist is not None:
+        print(f"megatron.core at {found.location}")
+        print(f"distribution {installed.describe(dist)}")
+    else:  # e.g. run from a clone: its ./megatron is imported first
+        other = installed.describe(found.shadowed) if found.shadowed else "no megatron-core"
+        tree = "a tree vendored by `python -m mcore_fixes vendor`" if record else "a source tree"
+        print(f"installed: {other}")
+        print(
+            f"here: megatron.core at {found.location}, {tree}, not installed: first on sys.path "
+            "(e.g. the current folder), it is what Python imports here"
+        )
+    if record is None:
+        print(f"not an mcore-fixes build: no {INFO_NAME} in {found.location}")
+        return 1
+    print(f"base: {record['baseline']} ({record['source']}, pin {record['pin']})")
+    for entry in record["applied"]:
         print(f"  applied   fix {entry['fix']}: {entry['id']} ({entry['file']})")
-    for entry in info["not_applied"]:
+    for entry in record["not_applied"]:
         print(f"  {entry['state']:<9} fix {entry['fix']}: {entry['id']}: {entry['reason']}")
     return 0
 
@@ -394,14 +461,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mcore_fixes", description=__doc__)
-    parser.add_argument("--root", type=Path, default=CLONE_ROOT, help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="verb", required=True)
 
-    def with_repo(p: argparse.ArgumentParser) -> None:
+    def with_repo(p: argparse.ArgumentParser, use: str = "read only, never modified") -> None:
         p.add_argument(
             "--mcore-repo",
-            help="Megatron-LM git checkout for git baselines "
-            "(default: $MCORE_REPO); read only, never modified",
+            help=f"Megatron-LM git checkout for git baselines (default: $MCORE_REPO); {use}",
         )
 
     p = sub.add_parser("vendor", help="materialize a baseline, apply the series -> ./megatron")
@@ -414,7 +480,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkout", help="path of the checkout (a clone or a linked worktree)")
     p.add_argument("--baseline", help="override baseline detection")
     p.add_argument("--no-commit", action="store_true", help="leave changes in the work tree")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="say what would change (baseline, patch files, left-out tests, files); write nothing",
+    )
     p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser(
+        "unapply",
+        help="undo the last apply: HEAD back to where it found it (uncommitted work stays)",
+    )
+    p.add_argument("checkout", help="path of the checkout apply changed")
+    p.set_defaults(func=cmd_unapply)
 
     p = sub.add_parser("status", help="patch x baseline matrix")
     p.add_argument("--baseline", action="append", help="limit to these baselines (repeatable)")
@@ -495,7 +573,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="base commit or branch, repeatable (default: the pinned commits of main and dev, "
         "for the [Main] and [Dev] PRs)",
     )
-    with_repo(p)
+    with_repo(
+        p,
+        "gets the branches mcore-fixes/fix-N and mcore-fixes/dev/fix-N (and their "
+        "descriptions); its work tree, index and HEAD are not touched",
+    )
     p.set_defaults(func=cmd_upstream)
 
     p = sub.add_parser("suites", help="upstream's neighbouring suites, pristine vs patched (GPU)")
@@ -520,7 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_audit)
 
-    p = sub.add_parser("info", help="what the importable megatron.core fork contains")
+    p = sub.add_parser(
+        "info", help="which megatron-core Python imports here (the fork or not) and its patches"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
     return parser
@@ -529,9 +613,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.verb not in ("info", "audit"):
-            git.git_exe()  # every other verb needs git: say so before doing anything
-        if args.verb in ("apply", "info", "audit"):
+        if args.verb in ("info", "audit"):  # what Python imports, a checkpoint: no project, no git
+            return args.func(args)
+        git.git_exe()  # every other verb needs git: say so before doing anything
+        locate(args)
+        if args.verb in ("apply", "unapply"):
             return args.func(args)
         with sources.project_lock(args.root, Progress()):
             return args.func(args)

@@ -47,7 +47,8 @@ TIMEOUT = int(os.environ.get("MCORE_FIXES_PROOF_TIMEOUT", "900"))  # seconds per
 
 
 def pytest_command(python: str, files: list[str]) -> list[str]:
-    # --noconftest: upstream's conftest needs Python 3.12 and data helpers (DESIGN.md).
+    # --noconftest: upstream's tests/unit_tests/conftest.py needs Python 3.12 and its data
+    # helpers (it downloads test data unless /opt/data exists); our proofs need neither.
     # -o addopts=: the baseline's pyproject.toml adds -x (0.16.1) and -s; we want every result.
     return [
         python,

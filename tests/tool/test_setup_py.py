@@ -84,3 +84,63 @@ def test_corrupt_vendor_state_is_one_line(clone):
     r = version(clone)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "vendor.json is corrupt" in r.stderr.strip().splitlines()[-1]
+
+
+def unfit_for_this_python(clone: Path, baseline: str) -> None:
+    """Declare that a fork of `baseline` needs a Python newer than any (like 0.19.2 on 3.11)."""
+    manifest = clone / "patches/manifest.toml"
+    header = f'[baselines."{baseline}"]\n'
+    manifest.write_text(manifest.read_text().replace(header, header + 'python = "3.99"\n'))
+
+
+def test_a_vendored_base_that_cannot_install_here_is_replaced_by_the_default(clone):
+    unfit_for_this_python(clone, "core_v0.2.0")
+    vendor = [sys.executable, "-m", "mcore_fixes", "vendor", "--baseline", "core_v0.2.0"]
+    r = subprocess.run(vendor, cwd=clone, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "its tree still serves tests here" in r.stdout, r.stderr
+    r = version(clone)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "0.1.0+fixes.3\n"
+    assert "megatron/ holds core_v0.2.0, whose fork needs Python >= 3.99" in r.stderr
+    assert "vendoring 0.1.0, the default here" in r.stderr
+
+
+def test_a_base_that_cannot_install_here_with_edits_names_the_command(clone):
+    unfit_for_this_python(clone, "core_v0.2.0")
+    vendor = [sys.executable, "-m", "mcore_fixes", "vendor", "--baseline", "core_v0.2.0"]
+    assert subprocess.run(vendor, cwd=clone, capture_output=True, timeout=120).returncode == 0
+    calc = clone / "megatron/core/calc.py"
+    calc.write_text(calc.read_text() + "# an edit\n")
+    r = version(clone)
+    assert r.returncode != 0 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "mcore-fixes: megatron/ holds core_v0.2.0, whose fork needs Python >= 3.99, not "
+        f"{sys.version_info[0]}.{sys.version_info[1]}, and has edits: run `python -m mcore_fixes "
+        "vendor --baseline 0.1.0 --force` (`export` first keeps them)"
+    )
+    assert calc.read_text().endswith("# an edit\n")
+
+
+def test_the_build_ships_the_series_with_the_tool(clone, tmp_path):
+    lib = tmp_path / "lib"
+    r = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)],
+        cwd=clone, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    shipped = lib / "mcore_fixes" / "patches"
+    assert sorted(p.relative_to(shipped) for p in shipped.rglob("*") if p.is_file()) == sorted(
+        p.relative_to(clone / "patches") for p in (clone / "patches").rglob("*") if p.is_file()
+    )
+    assert not (clone / "mcore_fixes" / "patches").exists()  # nothing written into the clone
+
+
+def test_the_fork_never_makes_pip_pull_or_replace_torch(clone, tmp_path):
+    # The toy base requires ["torch", "numpy"], like megatron-core's `torch>=2.6.0`.
+    r = subprocess.run(
+        [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path)],
+        cwd=clone, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    requires = (tmp_path / "megatron_core.egg-info" / "requires.txt").read_text().splitlines()
+    assert "numpy" in requires and not any(line.startswith("torch") for line in requires)

@@ -1,0 +1,106 @@
+"""What Python imports as `megatron.core`, and which installed `megatron-core` provides it.
+
+`importlib.metadata.version("megatron-core")` alone can name another copy than the one
+imported: run from a clone, `./megatron` (a vendored tree) shadows the installed package, and
+the clone's `megatron_core.egg-info` (build metadata, not an installation) is found first.
+Here the distribution is the installed one whose files are the imported module; a source tree
+on sys.path before it is named as such.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from .errors import UserError
+from .vendor import INFO_NAME
+
+DIST_NAME = "megatron-core"
+
+
+@dataclass(frozen=True)
+class Imported:
+    location: Path  # the folder `import megatron.core` loads
+    dist: md.Distribution | None  # the installed megatron-core whose files these are
+    shadowed: md.Distribution | None  # an installed megatron-core hidden by `location`
+
+    @property
+    def record(self) -> dict | None:
+        """The fork's record (`_mcore_fixes.json`), or None for a pristine megatron.core."""
+        return fork_record(self.location)
+
+
+def fork_record(location: Path) -> dict | None:
+    path = location / INFO_NAME
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} is unreadable ({exc}); reinstall the fork") from None
+
+
+def _is_installation(dist: md.Distribution) -> bool:
+    """An installed distribution, not a source tree's build metadata (`*.egg-info` next to
+    its setup.py, written by `setup.py --version` or a build, and found first from there)."""
+    if dist.read_text("RECORD") is not None:
+        return True
+    folder = Path(str(dist.locate_file("")))
+    return not any((folder / name).exists() for name in ("setup.py", "pyproject.toml"))
+
+
+def editable_source(dist: md.Distribution) -> Path | None:
+    """The project folder of an editable install (`pip install -e`), else None."""
+    text = dist.read_text("direct_url.json")
+    try:
+        data = json.loads(text) if text else {}
+    except ValueError:
+        return None
+    url = data.get("url", "") if isinstance(data, dict) else ""
+    editable = isinstance(data.get("dir_info"), dict) and data["dir_info"].get("editable")
+    if not editable or not url.startswith("file://"):
+        return None
+    return Path(unquote(urlparse(url).path))
+
+
+def dist_location(dist: md.Distribution) -> Path | None:
+    """The `megatron/core` folder a distribution installed (resolved), or None."""
+    source = editable_source(dist)
+    if source is not None:
+        return (source / "megatron" / "core").resolve()
+    for file in dist.files or ():
+        if file.parts == ("megatron", "core", "__init__.py"):
+            return Path(str(dist.locate_file(file))).resolve().parent
+    return None
+
+
+def imported() -> Imported:
+    """What `import megatron.core` loads here; a UserError when nothing does."""
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except ModuleNotFoundError:  # no `megatron` package at all
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "megatron.core is not importable here: install the fork (docs/install.md), "
+            "or run where a vendored ./megatron is"
+        )
+    location = Path(list(spec.submodule_search_locations)[0]).resolve()
+    dists = [d for d in md.distributions(name=DIST_NAME) if _is_installation(d)]
+    provider = next((d for d in dists if dist_location(d) == location), None)
+    shadowed = None if provider else next(iter(dists), None)
+    return Imported(location, provider, shadowed)
+
+
+def describe(dist: md.Distribution) -> str:
+    """`megatron-core VERSION (installed at FOLDER)`, with the fork or pristine said."""
+    source = editable_source(dist)
+    where = f"editable install of {source}" if source else f"installed in {dist.locate_file('')}"
+    location = dist_location(dist)
+    fork = location is not None and (location / INFO_NAME).exists()
+    kind = "the mcore-fixes fork" if fork else "pristine: no mcore-fixes patch"
+    return f"megatron-core {dist.version}, {kind} ({where})"

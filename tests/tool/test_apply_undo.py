@@ -1,0 +1,119 @@
+"""`apply --dry-run` (nothing written), `unapply` (the way back), and a detached HEAD."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+from toolworld import CALC_BUGGY, TEST_FILES, git, snapshot, tree_snapshot, write
+
+
+def test_dry_run_says_what_would_change_and_writes_nothing(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    write(co, "README.md", "unrelated work in progress\n")
+    before = snapshot(co)  # (git status may refresh the index: before the .git snapshot)
+    gitdir = tree_snapshot(co / ".git")
+    r = tool(project, "apply", "--dry-run", co)
+    assert r.rc == 0, r.err
+    assert "baseline 0.1.0 (megatron/core/package_info.py says 0.1.0" in r.out
+    assert "  fix-mean: would be committed (patches/0001-fix-mean.patch)" in r.out
+    assert "  weak-test: would be committed (patches/0003-weak-test.patch)" in r.out
+    assert "dry run, nothing written: the series would change 6 file(s):" in r.out
+    assert "  megatron/core/calc.py\n" in r.out and f"  {TEST_FILES['join-sep']}\n" in r.out
+    assert tree_snapshot(co / ".git") == gitdir  # no object, no index, no ref, no lock
+    assert snapshot(co) == before
+
+    r = tool(project, "apply", "--dry-run", "--no-commit", co)
+    assert r.rc == 0 and r.out.count("would be staged (not committed)") == 3
+    assert snapshot(co) == before
+
+    # What a real apply would refuse, a dry run refuses the same way.
+    write(co, "megatron/core/calc.py", CALC_BUGGY + "# work in progress\n")
+    r = tool(project, "apply", "--dry-run", co)
+    assert r.rc == 1 and "uncommitted changes in files the series touches" in r.err
+
+
+def test_dry_run_of_an_applied_series_is_a_noop(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    assert tool(project, "apply", co).rc == 0
+    r = tool(project, "apply", "--dry-run", co)
+    assert r.rc == 0 and "nothing to do" in r.out and "dry run" not in r.out
+
+
+def test_unapply_goes_back_and_keeps_uncommitted_work(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    base = git(co, "rev-parse", "HEAD").strip()
+    r = tool(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert f"undo: python -m mcore_fixes unapply {co}   (HEAD was {base[:12]})" in r.out
+    # Work after the apply: staged and further edited, unstaged, untracked.
+    write(co, "README.md", "staged\n")
+    git(co, "add", "README.md")
+    write(co, "README.md", "staged, then edited\n")
+    write(co, "megatron/core/__init__.py", '"""Edited, not staged."""\n')
+    write(co, "notes.txt", "untracked\n")
+    index = git(co, "ls-files", "-s", "README.md")
+
+    r = tool(project, "unapply", co)
+    assert r.rc == 0, r.err
+    assert f"HEAD back at {base[:12]}, where `apply` found it" in r.out
+    assert git(co, "rev-parse", "HEAD").strip() == base
+    assert git(co, "symbolic-ref", "HEAD").strip() == "refs/heads/work"  # the branch moved back
+    assert (co / "megatron/core/calc.py").read_text() == CALC_BUGGY
+    assert not (co / TEST_FILES["fix-mean"]).exists()
+    assert git(co, "ls-files", "-s", "README.md") == index  # the staged version is kept
+    assert (co / "README.md").read_text() == "staged, then edited\n"
+    assert (co / "megatron/core/__init__.py").read_text() == '"""Edited, not staged."""\n'
+    assert (co / "notes.txt").read_text() == "untracked\n"
+
+    r = tool(project, "unapply", co)
+    assert r.rc == 1 and "nothing to undo: the last `mcore_fixes apply` was undone already" in r.err
+    git(co, "restore", "--staged", "README.md")  # (a committing apply wants nothing staged)
+    r = tool(project, "apply", co)  # and forth again
+    assert r.rc == 0 and "fix-mean: committed" in r.out
+
+
+def test_unapply_refuses_what_it_cannot_undo_cleanly(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    r = tool(project, "unapply", co)
+    assert r.rc == 1 and "nothing to undo" in r.err and "is not in HEAD's reflog" in r.err
+
+    assert tool(project, "apply", co).rc == 0
+    calc = co / "megatron/core/calc.py"
+    calc.write_text(calc.read_text() + "# my edit of a file the series changed\n")
+    before = snapshot(co)
+    r = tool(project, "unapply", co)
+    assert r.rc == 1 and "uncommitted changes in files the series changed" in r.err
+    assert snapshot(co) == before
+
+    git(co, "commit", "-qam", "my commit on top of the series")
+    r = tool(project, "unapply", co)
+    assert r.rc == 1 and "HEAD moved since the series was applied" in r.err
+    assert "Traceback" not in r.err and snapshot(co)["head"] == git(co, "rev-parse", "HEAD")
+
+
+def test_no_commit_apply_prints_its_undo(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    write(co, "README.md", "unrelated work in progress\n")
+    r = tool(project, "apply", "--no-commit", co)
+    assert r.rc == 0, r.err
+    undo = next(line for line in r.out.splitlines() if line.startswith("undo: "))
+    subprocess.run(shlex.split(undo.removeprefix("undo: ")), check=True)
+    status = git(co, "status", "--porcelain", "--untracked-files=all")
+    assert status.strip() == "M README.md"  # the series is gone, the user's edit stays
+
+
+def test_apply_on_a_detached_head_says_how_to_keep_the_commits(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    git(co, "checkout", "-q", "--detach", "core_v0.1.0")
+    r = tool(project, "apply", "--dry-run", co)
+    assert r.rc == 0, r.err
+    assert "HEAD is detached at core_v0.1.0: the commits would be on no branch" in r.out
+    r = tool(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert (
+        "HEAD is detached at core_v0.1.0: the commits are on no branch; to keep them on one: "
+        f"git -C {co} switch -c BRANCH-NAME"
+    ) in r.out
+    r = tool(project, "unapply", co)  # a detached HEAD goes back too
+    assert r.rc == 0 and git(co, "rev-parse", "HEAD").strip() == world.commits["core_v0.1.0"]
