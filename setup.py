@@ -38,13 +38,13 @@ def replace_unfit_base() -> list[str]:
         here = sys.version_info[:2]
         if b is None or b.installs_on(here):
             return []
-        edits = local_edits(ROOT)
+        edits = unexported_edits(ROOT)
     except UserError as exc:
         sys.exit(f"mcore-fixes: {exc}")
     why = (
         f"megatron/ holds {b.name}, whose fork needs Python >= {b.python}, not {here[0]}.{here[1]}"
     )
-    if edits != []:  # or None: an interrupted vendor
+    if edits is not False:  # edited, or None: an interrupted vendor
         fix = f"python -m mcore_fixes vendor --baseline {m.default} --force"
         sys.exit(f"mcore-fixes: {why}, and has edits: run `{fix}` (`export` first keeps them)")
     print(f"mcore-fixes: {why}: vendoring {m.default}, the default here", file=sys.stderr)

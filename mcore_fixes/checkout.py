@@ -398,7 +398,9 @@ def _apply(
     with git.signals_held():
         proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
         if proc.returncode == 0 and commit:
-            ref = git.run(checkout, "update-ref", "-m", APPLY_REFLOG, "HEAD", new, orig, check=False)
+            ref = git.run(
+                checkout, "update-ref", "-m", APPLY_REFLOG, "HEAD", new, orig, check=False
+            )
             if ref.returncode != 0:  # HEAD moved meanwhile: put the files back
                 git.run(checkout, "read-tree", "-m", "-u", new, orig, check=False)
                 proc = ref
