@@ -5,13 +5,16 @@ the tree with cwd = the tree and PYTHONPATH = the tree. A patch without one is p
 tests/ files it carries (applied to the tree without the fix for the `before` run).
 
 One pytest process per tree state: the `after` proof of patch k and the `before` proof of patch
-k+1 run on the same commit, so they share one interpreter start and one `import megatron.core`;
-outcomes per file come from `--junitxml`. A process that dies without a report (a crash) is
-retried one file at a time, so one bad file never hides the others' results.
+k+1 run on the same commit, so they share one process and one `import megatron.core`; outcomes
+per file come from `--junitxml`. A process that dies without a report (a crash) is retried one
+file at a time, so one bad file never hides the others' results. Each process is a fork of a
+server that has imported torch and pytest once per baseline, never megatron (forkserver.py);
+MCORE_FIXES_FORK_SERVER=0 starts a fresh interpreter per tree state instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -22,11 +25,13 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import git
+from . import forkserver, git
 from .errors import UserError
+from .forkserver import ForkServer, Gone, run_fresh
 from .manifest import Baseline, Manifest
 from .progress import Progress
 from .series import (
@@ -104,28 +109,40 @@ class Runs:
     """What the pytest processes of a prove run cost (for the CI floor in docs/evidence.md)."""
 
     processes: int = 0
+    forks: int = 0  # of `processes`: forks of a fork server (the others: fresh interpreters)
     seconds: float = 0.0
     files: int = 0
-    startup: float = 0.0  # of `seconds`: interpreter starts + import torch, megatron.core
+    startup: float = 0.0  # of `seconds`: start or fork + import torch (fresh), megatron.core
+    servers: int = 0  # fork servers started
+    server_seconds: float = 0.0  # their interpreter starts + preloads (torch, pytest, ...)
     log: list[dict] = field(default_factory=list)
     legacy: int = 0  # processes of patches without a proof (their carried tests)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def summary(self) -> str:
         total = self.processes + self.legacy
+        servers = (
+            f"; {self.forks} forked from {self.servers} fork servers, which took "
+            f"{self.server_seconds:.1f} s to start and preload torch"
+            if self.servers
+            else ""
+        )
         return (
             f"prove: {total} pytest processes ({self.processes} for our proofs: "
             f"{self.files} proof runs, {self.seconds:.1f} s, of which {self.startup:.1f} s "
-            "interpreter starts + imports)"
+            f"starts + imports{servers})"
         )
 
     def as_json(self) -> dict:
         return {
             "processes": self.processes,
+            "forks": self.forks,
             "legacy_processes": self.legacy,
             "proof_runs": self.files,
             "seconds": round(self.seconds, 2),
             "startup_seconds": round(self.startup, 2),
+            "servers": self.servers,
+            "server_seconds": round(self.server_seconds, 2),
             "log": self.log,
         }
 
@@ -165,7 +182,8 @@ def _file_results(junit: Path, root: Path, files: list[str]) -> dict[str, dict]:
 
 
 # `python -c BOOTSTRAP pytest-args...`: pytest, after timing what every proof process pays
-# first (interpreter start + `import torch, megatron.core` from the tree): the CI floor.
+# first (its fork, or interpreter start + `import torch`; `import megatron.core` from the
+# tree): with the fork servers' starts, the CI floor.
 BOOTSTRAP = """\
 import os, sys, time
 try:
@@ -179,8 +197,19 @@ sys.exit(pytest.main(sys.argv[1:]))
 """
 
 
-def run_proofs(tree: Path, files: list[str], python: str, root: Path, runs: Runs) -> dict:
-    """Run proof `files` (absolute) in one pytest process on `tree`; a result per file."""
+def run_proofs(
+    tree: Path,
+    files: list[str],
+    python: str,
+    root: Path,
+    runs: Runs,
+    server: ForkServer | None = None,
+) -> dict:
+    """Run proof `files` (absolute) in one pytest process on `tree`; a result per file.
+
+    The process is a fork of `server` (see forkserver.py) if there is one that still serves,
+    a fresh interpreter otherwise.
+    """
     with tempfile.TemporaryDirectory(prefix="mcore-fixes-junit.") as tmp:
         junit = Path(tmp) / "junit.xml"
         startup = Path(tmp) / "startup"
@@ -195,32 +224,46 @@ def run_proofs(tree: Path, files: list[str], python: str, root: Path, runs: Runs
         ]
         env = _env(tree) | {"MCORE_FIXES_STARTUP": str(startup), "MCORE_FIXES_T0": str(time.time())}
         start = time.monotonic()
-        try:
-            proc = subprocess.run(
-                cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT
-            )
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = None
+        log = Path(tmp) / "log"
+        rc, forked = _run(server, cmd, tree, env, log)
         took = time.monotonic() - start
         boot = float(startup.read_text()) if startup.is_file() else 0.0
         with runs.lock:
             runs.processes += 1
+            runs.forks += forked
             runs.seconds += took
             runs.startup += boot
             runs.files += len(files)
             runs.log.append(
-                {"files": len(files), "seconds": round(took, 2), "startup": round(boot, 2)}
+                {
+                    "files": len(files),
+                    "seconds": round(took, 2),
+                    "startup": round(boot, 2),
+                    "forked": forked,
+                }
             )
         results = _file_results(junit, root, files) if junit.exists() else {}
     missing = [f for f in files if f not in results]
     if missing and len(files) > 1:  # the process died: each file alone, to tell which
         for f in missing:
-            results |= run_proofs(tree, [f], python, root, runs)
+            results |= run_proofs(tree, [f], python, root, runs, server)
     for f in missing if len(files) == 1 else []:
         why = f"timed out after {TIMEOUT} s" if rc is None else f"pytest died (exit {rc})"
         results[f] = {"outcome": "error", "summary": why}
     return results
+
+
+def _run(
+    server: ForkServer | None, cmd: list[str], tree: Path, env: dict[str, str], log: Path
+) -> tuple[int | None, bool]:
+    """Exit status of `cmd` (`python -c CODE ARGS`; None: timed out), and whether it ran as a
+    fork of `server` (else as a fresh interpreter)."""
+    if server is not None and server.alive:
+        try:
+            return server.run(cmd[2], cmd[3:], tree, env, log, TIMEOUT), True
+        except Gone:
+            pass  # it died or refused: a fresh interpreter, as without one
+    return run_fresh(cmd, tree, env, log, TIMEOUT), False
 
 
 def verdict(before: dict, after: dict, strict: bool = False) -> str:
@@ -234,6 +277,26 @@ def verdict(before: dict, after: dict, strict: bool = False) -> str:
     if before["outcome"] == "error":
         return "no-import-unpatched"
     return "no-proof"
+
+
+@contextlib.contextmanager
+def _fork_server(python: str, tree: Path, runs: Runs) -> Iterator[ForkServer | None]:
+    """A fork server for the proof processes of one baseline (None: fresh interpreters)."""
+    if not forkserver.enabled():
+        yield None
+        return
+    try:
+        server = ForkServer(python, tree, _env(tree), TIMEOUT)
+    except Gone:
+        yield None
+        return
+    with runs.lock:
+        runs.servers += 1
+        runs.server_seconds += server.seconds
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 def _checkout(tree: Path, rev: str) -> None:
@@ -309,12 +372,13 @@ def prove_baseline(
         ours.append((cell, str(proof), parent, commit))
 
     results: dict[tuple[str, str], dict] = {}
-    for state, files in plan.items():
-        _checkout(tree, state)
-        names = ", ".join(Path(f).stem for f in files)
-        progress.step(f"{b.name} @ {_label(cells, state)}: {names}")
-        for f, result in run_proofs(tree, files, python, root, runs).items():
-            results[(state, f)] = result
+    with _fork_server(python, tree, runs) if plan else contextlib.nullcontext() as server:
+        for state, files in plan.items():
+            _checkout(tree, state)
+            names = ", ".join(Path(f).stem for f in files)
+            progress.step(f"{b.name} @ {_label(cells, state)}: {names}")
+            for f, result in run_proofs(tree, files, python, root, runs, server).items():
+                results[(state, f)] = result
     for cell, proof, parent, commit in ours:
         before, after = results[(parent, proof)], results[(commit, proof)]
         cell.proof = {
