@@ -14,6 +14,7 @@ MCORE_FIXES_FORK_SERVER=0 starts a fresh interpreter per tree state instead.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -335,6 +336,7 @@ def prove_baseline(
         held = {c.patch for c in cells if c.proof}
         only = [c.patch for c in cells if c.patch not in held and (not only or c.patch in only)]
         if not only:
+            progress.step(f"{b.name}: every stored proof still holds", long=True)
             _checkout(tree, head)
             return cells
     # Tree state (commit) -> proof files to run there, in series order.
@@ -371,12 +373,15 @@ def prove_baseline(
                 files.append(str(proof))
         ours.append((cell, str(proof), parent, commit))
 
+    start = time.monotonic()
+    count = len(ours) + len(unapplied) + len(legacy)
+    progress.step(f"{b.name}: proving {count} patch(es)", long=True)
     results: dict[tuple[str, str], dict] = {}
     with _fork_server(python, tree, runs) if plan else contextlib.nullcontext() as server:
         for state, files in plan.items():
             _checkout(tree, state)
             names = ", ".join(Path(f).stem for f in files)
-            progress.step(f"{b.name} @ {_label(cells, state)}: {names}")
+            progress.step(f"{b.name} @ {_label(cells, state)}: {names}", long=True)
             for f, result in run_proofs(tree, files, python, root, runs, server).items():
                 results[(state, f)] = result
     for cell, proof, parent, commit in ours:
@@ -404,10 +409,10 @@ def prove_baseline(
             parent, commit = states[cell.patch] if alone else (_parent(tree, cell), cell.commit)
             _checkout(tree, parent)
             git.run(tree, "apply", "--include=tests/*", str(path))
-            progress.step(f"{b.name} {cell.patch}: tests without the fix")
+            progress.step(f"{b.name} {cell.patch}: tests without the fix", long=True)
             before = run_tests(tree, tests, python)
             _checkout(tree, commit)
-            progress.step(f"{b.name} {cell.patch}: tests with the fix")
+            progress.step(f"{b.name} {cell.patch}: tests with the fix", long=True)
             after = run_tests(tree, tests, python)
             with runs.lock:
                 runs.legacy += 2
@@ -417,6 +422,9 @@ def prove_baseline(
         if cell.proof:
             cell.proof |= {"key": keys.get(cell.patch, ""), "pin": b.pin}
             store[cell.patch] = cell.proof
+    verdicts = collections.Counter(c.proof["verdict"] for c in cells if c.proof)
+    done = ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items())) or "nothing to prove"
+    progress.step(f"{b.name}: {done} ({time.monotonic() - start:.0f} s)", long=True)
     _checkout(tree, head)
     out = root / PROOFS_DIR / f"{b.name}{'.alone' if alone else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

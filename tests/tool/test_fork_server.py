@@ -1,11 +1,12 @@
 """`prove`'s processes: forks of a server that never imports megatron, each importing it from
 its own tree state only, with the results of fresh interpreters; a hung proof is killed with
-what it forked."""
+what it forked; and `prove` says what it is doing when its output is not a terminal."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -160,3 +161,26 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")
+
+
+def test_prove_reports_progress_when_output_is_not_a_terminal(project, tool):
+    """A line per baseline and per tree state, timestamped, also in a CI log or a pipe."""
+    assert not sys.stderr.isatty()
+    r = tool(project, "prove", "--python", sys.executable, "--baseline", "0.1.0")
+    lines = r.err.splitlines()
+    stamp = r"^\[ *\d+\.\ds\] "
+    assert all(re.match(stamp, line) for line in lines[:-1]), lines  # the last: the summary
+    steps = [re.sub(stamp, "", line) for line in lines[:-1]]
+    assert steps[0] == "0.1.0: proving 3 patch(es)"
+    assert steps[1:4] == [
+        "0.1.0 @ pristine: test_fix_mean",
+        "0.1.0 @ after fix-mean: test_fix_mean, test_join_sep",
+        "0.1.0 @ after join-sep: test_join_sep",
+    ]
+    assert steps[4:6] == [
+        "0.1.0 weak-test: tests without the fix",
+        "0.1.0 weak-test: tests with the fix",
+    ]
+    assert re.fullmatch(r"0\.1\.0: 1 passes-unpatched, 2 proven \(\d+ s\)", steps[6])
+    # Short verbs stay quiet.
+    assert tool(project, "status", "--baseline", "0.1.0").err == ""
