@@ -26,6 +26,11 @@ from mcore_fixes.vendor import local_edits  # noqa: E402
 def vendored_info() -> dict:
     """The vendored tree's record; `vendor` first if there is none (its report on stderr)."""
     if not INFO.exists():
+        print(
+            "mcore-fixes: no vendored megatron/ yet: downloading the pinned megatron-core sdist "
+            "(unless cached) and applying the patches (python -m mcore_fixes vendor)",
+            file=sys.stderr,
+        )
         vendor = [sys.executable, "-m", "mcore_fixes", "vendor"]
         if subprocess.run(vendor, cwd=ROOT, stdout=sys.stderr).returncode != 0:
             sys.exit("mcore-fixes: `python -m mcore_fixes vendor` failed (see above)")
