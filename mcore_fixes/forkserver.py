@@ -1,6 +1,6 @@
-"""A fork server for `prove`: one interpreter per baseline imports what every proof process
-imports before megatron (torch and what `import megatron.core` pulls from it, pytest), then
-forks one process per tree state.
+"""A fork server for `prove`: one interpreter imports what every proof process imports before
+megatron (torch and what `import megatron.core` pulls from it, pytest), then forks one process
+per tree state, of the baselines it is handed one after the other.
 
 A fresh interpreter spends ~4.5 s (2 CPUs) importing torch, torch._dynamo, torch._inductor,
 sympy, ... before the first line of megatron; a fork of the server, none. Each fork becomes
@@ -51,8 +51,8 @@ def reply(**msg):
     os.write(FD, (json.dumps(msg) + "\n").encode())
 
 
-def foreign():
-    here = os.getcwd() + os.sep
+def foreign(tree):
+    here = tree.rstrip(os.sep) + os.sep
     for name, mod in list(sys.modules.items()):
         if name == "megatron" or name.startswith("megatron."):
             return f"imported {name}"
@@ -95,14 +95,14 @@ for name in sys.argv[2:]:
         importlib.import_module(name)
     except Exception:
         pass  # the fork imports it again and fails there, as a fresh interpreter would
-why = foreign()
+why = foreign(os.getcwd())
 gc.freeze()  # the preloaded heap: the forks' collections skip it
 reply(ready=not why, why=why)
 if why:
     sys.exit(0)
 for line in sys.stdin:
     req = json.loads(line)
-    why = foreign()
+    why = foreign(req["cwd"])
     if why:
         reply(error=why)
         break
@@ -127,7 +127,7 @@ def enabled() -> bool:
 
 
 class ForkServer:
-    """One server process; `run` one request at a time (each `prove` baseline owns one)."""
+    """One server process; `run` one request at a time, in any tree."""
 
     def __init__(self, python: str, cwd: Path, env: dict[str, str], timeout: float) -> None:
         env = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # the forks set theirs

@@ -26,7 +26,6 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -280,24 +279,37 @@ def verdict(before: dict, after: dict, strict: bool = False) -> str:
     return "no-proof"
 
 
-@contextlib.contextmanager
-def _fork_server(python: str, tree: Path, runs: Runs) -> Iterator[ForkServer | None]:
-    """A fork server for the proof processes of one baseline (None: fresh interpreters)."""
-    if not forkserver.enabled():
-        yield None
-        return
-    try:
-        server = ForkServer(python, tree, _env(tree), TIMEOUT)
-    except Gone:
-        yield None
-        return
-    with runs.lock:
-        runs.servers += 1
-        runs.server_seconds += server.seconds
-    try:
-        yield server
-    finally:
-        server.close()
+class Servers:
+    """The fork servers of a prove run: one per thread, for the baselines it proves one after
+    the other (a server holds nothing of any tree: checked before every fork)."""
+
+    def __init__(self, python: str, runs: Runs) -> None:
+        self.python, self.runs = python, runs
+        self._local = threading.local()
+        self._started: list[ForkServer] = []
+
+    def get(self, tree: Path) -> ForkServer | None:
+        """This thread's server, started in `tree` if it has none; None: fresh interpreters."""
+        server = getattr(self._local, "server", None)
+        if server is None and forkserver.enabled() and not getattr(self._local, "no", False):
+            try:
+                server = ForkServer(self.python, tree, _env(tree), TIMEOUT)
+            except Gone:
+                self._local.no = True
+                return None
+            self._local.server = server
+            with self.runs.lock:
+                self._started.append(server)
+                self.runs.servers += 1
+                self.runs.server_seconds += server.seconds
+        return server if server is not None and server.alive else None
+
+    def __enter__(self) -> Servers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for server in self._started:
+            server.close()
 
 
 def _checkout(tree: Path, rev: str) -> None:
@@ -316,6 +328,7 @@ def prove_baseline(
     runs: Runs | None = None,
     changed: bool = False,
     alone: bool = False,
+    servers: Servers | None = None,
 ) -> list[Cell]:
     """Prove every applicable patch of `b` (or those in `only`); results go to build/proofs/.
 
@@ -323,6 +336,7 @@ def prove_baseline(
     prove only the others. `alone`: each commit stands alone: the proof fails on the pristine
     tree plus only the patch's declared requires and passes with the patch added (a patch that
     does not apply there is `not-alone`); stored apart (build/proofs/<baseline>.alone.json).
+    `servers`: the run's fork servers (else one for this baseline).
     """
     check_python(python)
     runs = runs if runs is not None else Runs()
@@ -377,7 +391,8 @@ def prove_baseline(
     count = len(ours) + len(unapplied) + len(legacy)
     progress.step(f"{b.name}: proving {count} patch(es)", long=True)
     results: dict[tuple[str, str], dict] = {}
-    with _fork_server(python, tree, runs) if plan else contextlib.nullcontext() as server:
+    with contextlib.nullcontext(servers) if servers else Servers(python, runs) as pool:
+        server = pool.get(tree) if plan else None
         for state, files in plan.items():
             _checkout(tree, state)
             names = ", ".join(Path(f).stem for f in files)

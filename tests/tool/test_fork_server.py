@@ -125,6 +125,21 @@ def test_each_tree_state_is_a_fork_that_imports_only_its_tree(project, tool, whe
     assert _outcomes(project) == outcomes
 
 
+def test_one_server_per_job_for_the_baselines_it_proves(world, project, tool, where):
+    _append_to_proof(project, WHERE)
+    args = ("prove", "--python", sys.executable, "--patch", "fix-mean", "--jobs", "1")
+    baselines = ("--baseline", "0.1.0", "--baseline", "core_v0.1.1")
+    r = tool(project, *args, *baselines, "--mcore-repo", world.upstream)
+    assert r.rc == 0, r.err
+    assert "4 forked from 1 fork servers" in r.err
+    forked = _records(where)
+    assert len(forked) == 4 and len({rec["ppid"] for rec in forked}) == 1
+    trees = {project / "build/trees" / name for name in ("0.1.0", "core_v0.1.1")}
+    assert {Path(rec["cwd"]) for rec in forked} == trees
+    for rec in forked:  # each imports megatron from its own tree only
+        assert all(f is None or f.startswith(rec["cwd"] + os.sep) for f in rec["megatron"].values())
+
+
 def test_a_server_that_imported_the_tree_is_not_used(project, tool, where, monkeypatch):
     """A preload that reaches into the tree (here megatron itself): fresh interpreters."""
     _append_to_proof(project, WHERE)
