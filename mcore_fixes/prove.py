@@ -8,7 +8,7 @@ One pytest process per tree state: the `after` proof of patch k and the `before`
 k+1 run on the same commit, so they share one process and one `import megatron.core`; outcomes
 per file come from `--junitxml`. A process that dies without a report (a crash) is retried one
 file at a time, so one bad file never hides the others' results. Each process is a fork of a
-server that has imported torch and pytest once per baseline, never megatron (forkserver.py);
+server that has imported torch and pytest once per job, never megatron (forkserver.py);
 MCORE_FIXES_FORK_SERVER=0 starts a fresh interpreter per tree state instead.
 """
 
