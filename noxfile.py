@@ -5,6 +5,8 @@
     nox                         what CI runs: tool, lint, proofs (every baseline in one venv and
                                 one tool process; git baselines skip without a checkout), audit
     MCORE_REPO=~/Megatron-LM nox -s "prove(main)"
+    nox -s prove                every prove(<baseline>) session, one after the other (each says
+                                which of them it is)
 
 Environments use uv. torch is always installed first, pinned (MCORE_FIXES_TORCH, default
 torch==2.13.0), from a local CPU wheel folder when PIP_FIND_LINKS / UV_FIND_LINKS names one,
@@ -115,7 +117,12 @@ def audit(session: nox.Session) -> None:
 @nox.session(default=False)
 @nox.parametrize("baseline", BASELINES, ids=BASELINES)
 def prove(session: nox.Session, baseline: str) -> None:
-    """Fail-before / pass-after of every patch on this baseline (CI runs `proofs`)."""
+    """Fail-before / pass-after of every patch on this baseline (`-s prove`: all, one by one)."""
+    session.log(
+        f"baseline {baseline}: {BASELINES.index(baseline) + 1} of {len(BASELINES)} prove "
+        f'sessions (`nox -s prove` runs them all; one: `nox -s "prove({baseline})"`; '
+        "every PyPI baseline in one session: `nox -s proofs`)"
+    )
     _checkout_or_skip(session, baseline)
     _install_torch_env(session)
     session.run("python", "-m", "mcore_fixes", "prove", "--baseline", baseline, *session.posargs)

@@ -56,6 +56,12 @@ def vendored_info() -> dict:
     (its report on stderr)."""
     again = replace_unfit_base() if INFO.exists() else []
     if again or not INFO.exists():
+        if not again:
+            print(
+                "mcore-fixes: no vendored megatron/ yet: downloading the pinned megatron-core "
+                "sdist (unless cached) and applying the patches (python -m mcore_fixes vendor)",
+                file=sys.stderr,
+            )
         vendor = [sys.executable, "-m", "mcore_fixes", "vendor", *again]
         if subprocess.run(vendor, cwd=ROOT, stdout=sys.stderr).returncode != 0:
             sys.exit(f"mcore-fixes: `python {' '.join(vendor[1:])}` failed (see above)")

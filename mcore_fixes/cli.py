@@ -17,7 +17,7 @@ from . import manifest as manifest_mod
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .prove import Runs, attach_proofs, prove_baseline, pytest_command
+from .prove import Runs, Servers, attach_proofs, prove_baseline, pytest_command
 from .series import (
     OK_STATES,
     SKIPPED,
@@ -317,7 +317,7 @@ def cmd_prove(args: argparse.Namespace) -> int:
             return [Cell(p.id, b.name, SKIPPED, detail=tree) for p in m.patches]
         return prove_baseline(
             args.root, m, b, tree, args.python, args.patch, progress, runs, args.changed,
-            alone=args.alone,
+            alone=args.alone, servers=servers,
         )  # fmt: skip
 
     # Baselines are independent trees: --jobs of them at once (sdists are fetched first).
@@ -326,7 +326,10 @@ def cmd_prove(args: argparse.Namespace) -> int:
         _tree_or_skip(args, b, progress)
     # Longest first (more patches, more tree states), so that no job is left alone at the end.
     order = sorted(selected, key=lambda b: -sum(p.id not in b.absent for p in m.patches))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    with (
+        Servers(args.python, runs) as servers,
+        concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool,
+    ):
         rows = dict(zip([b.name for b in order], pool.map(one, order), strict=True))
     cells = [c for b in selected for c in rows[b.name]]
     print(runs.summary(), file=sys.stderr)

@@ -5,13 +5,17 @@ the tree with cwd = the tree and PYTHONPATH = the tree. A patch without one is p
 tests/ files it carries (applied to the tree without the fix for the `before` run).
 
 One pytest process per tree state: the `after` proof of patch k and the `before` proof of patch
-k+1 run on the same commit, so they share one interpreter start and one `import megatron.core`;
-outcomes per file come from `--junitxml`. A process that dies without a report (a crash) is
-retried one file at a time, so one bad file never hides the others' results.
+k+1 run on the same commit, so they share one process and one `import megatron.core`; outcomes
+per file come from `--junitxml`. A process that dies without a report (a crash) is retried one
+file at a time, so one bad file never hides the others' results. Each process is a fork of a
+server that has imported torch and pytest once per job, never megatron (forkserver.py);
+MCORE_FIXES_FORK_SERVER=0 starts a fresh interpreter per tree state instead.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import hashlib
 import json
@@ -25,8 +29,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import git
+from . import forkserver, git
 from .errors import UserError
+from .forkserver import ForkServer, Gone, run_fresh
 from .manifest import Baseline, Manifest
 from .progress import Progress
 from .series import (
@@ -106,28 +111,40 @@ class Runs:
     """What the pytest processes of a prove run cost (for the CI floor in docs/evidence.md)."""
 
     processes: int = 0
+    forks: int = 0  # of `processes`: forks of a fork server (the others: fresh interpreters)
     seconds: float = 0.0
     files: int = 0
-    startup: float = 0.0  # of `seconds`: interpreter starts + import torch, megatron.core
+    startup: float = 0.0  # of `seconds`: start or fork + import torch (fresh), megatron.core
+    servers: int = 0  # fork servers started
+    server_seconds: float = 0.0  # their interpreter starts + preloads (torch, pytest, ...)
     log: list[dict] = field(default_factory=list)
     legacy: int = 0  # processes of patches without a proof (their carried tests)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def summary(self) -> str:
         total = self.processes + self.legacy
+        servers = (
+            f"; {self.forks} forked from {self.servers} fork servers, which took "
+            f"{self.server_seconds:.1f} s to start and preload torch"
+            if self.servers
+            else ""
+        )
         return (
             f"prove: {total} pytest processes ({self.processes} for our proofs: "
             f"{self.files} proof runs, {self.seconds:.1f} s, of which {self.startup:.1f} s "
-            "interpreter starts + imports)"
+            f"starts + imports{servers})"
         )
 
     def as_json(self) -> dict:
         return {
             "processes": self.processes,
+            "forks": self.forks,
             "legacy_processes": self.legacy,
             "proof_runs": self.files,
             "seconds": round(self.seconds, 2),
             "startup_seconds": round(self.startup, 2),
+            "servers": self.servers,
+            "server_seconds": round(self.server_seconds, 2),
             "log": self.log,
         }
 
@@ -167,7 +184,8 @@ def _file_results(junit: Path, root: Path, files: list[str]) -> dict[str, dict]:
 
 
 # `python -c BOOTSTRAP pytest-args...`: pytest, after timing what every proof process pays
-# first (interpreter start + `import torch, megatron.core` from the tree): the CI floor.
+# first (its fork, or interpreter start + `import torch`; `import megatron.core` from the
+# tree): with the fork servers' starts, the CI floor.
 BOOTSTRAP = """\
 import os, sys, time
 try:
@@ -181,8 +199,19 @@ sys.exit(pytest.main(sys.argv[1:]))
 """
 
 
-def run_proofs(tree: Path, files: list[str], python: str, root: Path, runs: Runs) -> dict:
-    """Run proof `files` (absolute) in one pytest process on `tree`; a result per file."""
+def run_proofs(
+    tree: Path,
+    files: list[str],
+    python: str,
+    root: Path,
+    runs: Runs,
+    server: ForkServer | None = None,
+) -> dict:
+    """Run proof `files` (absolute) in one pytest process on `tree`; a result per file.
+
+    The process is a fork of `server` (see forkserver.py) if there is one that still serves,
+    a fresh interpreter otherwise.
+    """
     with tempfile.TemporaryDirectory(prefix="mcore-fixes-junit.") as tmp:
         junit = Path(tmp) / "junit.xml"
         startup = Path(tmp) / "startup"
@@ -197,32 +226,46 @@ def run_proofs(tree: Path, files: list[str], python: str, root: Path, runs: Runs
         ]
         env = _env(tree) | {"MCORE_FIXES_STARTUP": str(startup), "MCORE_FIXES_T0": str(time.time())}
         start = time.monotonic()
-        try:
-            proc = subprocess.run(
-                cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT
-            )
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = None
+        log = Path(tmp) / "log"
+        rc, forked = _run(server, cmd, tree, env, log)
         took = time.monotonic() - start
         boot = float(startup.read_text()) if startup.is_file() else 0.0
         with runs.lock:
             runs.processes += 1
+            runs.forks += forked
             runs.seconds += took
             runs.startup += boot
             runs.files += len(files)
             runs.log.append(
-                {"files": len(files), "seconds": round(took, 2), "startup": round(boot, 2)}
+                {
+                    "files": len(files),
+                    "seconds": round(took, 2),
+                    "startup": round(boot, 2),
+                    "forked": forked,
+                }
             )
         results = _file_results(junit, root, files) if junit.exists() else {}
     missing = [f for f in files if f not in results]
     if missing and len(files) > 1:  # the process died: each file alone, to tell which
         for f in missing:
-            results |= run_proofs(tree, [f], python, root, runs)
+            results |= run_proofs(tree, [f], python, root, runs, server)
     for f in missing if len(files) == 1 else []:
         why = f"timed out after {TIMEOUT} s" if rc is None else f"pytest died (exit {rc})"
         results[f] = {"outcome": "error", "summary": why}
     return results
+
+
+def _run(
+    server: ForkServer | None, cmd: list[str], tree: Path, env: dict[str, str], log: Path
+) -> tuple[int | None, bool]:
+    """Exit status of `cmd` (`python -c CODE ARGS`; None: timed out), and whether it ran as a
+    fork of `server` (else as a fresh interpreter)."""
+    if server is not None and server.alive:
+        try:
+            return server.run(cmd[2], cmd[3:], tree, env, log, TIMEOUT), True
+        except Gone:
+            pass  # it died or refused: a fresh interpreter, as without one
+    return run_fresh(cmd, tree, env, log, TIMEOUT), False
 
 
 def verdict(before: dict, after: dict, strict: bool = False) -> str:
@@ -236,6 +279,39 @@ def verdict(before: dict, after: dict, strict: bool = False) -> str:
     if before["outcome"] == "error":
         return "no-import-unpatched"
     return "no-proof"
+
+
+class Servers:
+    """The fork servers of a prove run: one per thread, for the baselines it proves one after
+    the other (a server holds nothing of any tree: checked before every fork)."""
+
+    def __init__(self, python: str, runs: Runs) -> None:
+        self.python, self.runs = python, runs
+        self._local = threading.local()
+        self._started: list[ForkServer] = []
+
+    def get(self, tree: Path) -> ForkServer | None:
+        """This thread's server, started in `tree` if it has none; None: fresh interpreters."""
+        server = getattr(self._local, "server", None)
+        if server is None and forkserver.enabled() and not getattr(self._local, "no", False):
+            try:
+                server = ForkServer(self.python, tree, _env(tree), TIMEOUT)
+            except Gone:
+                self._local.no = True
+                return None
+            self._local.server = server
+            with self.runs.lock:
+                self._started.append(server)
+                self.runs.servers += 1
+                self.runs.server_seconds += server.seconds
+        return server if server is not None and server.alive else None
+
+    def __enter__(self) -> Servers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for server in self._started:
+            server.close()
 
 
 def _checkout(tree: Path, rev: str) -> None:
@@ -254,6 +330,7 @@ def prove_baseline(
     runs: Runs | None = None,
     changed: bool = False,
     alone: bool = False,
+    servers: Servers | None = None,
 ) -> list[Cell]:
     """Prove every applicable patch of `b` (or those in `only`); results go to build/proofs/.
 
@@ -261,6 +338,7 @@ def prove_baseline(
     prove only the others. `alone`: each commit stands alone: the proof fails on the pristine
     tree plus only the patch's declared requires and passes with the patch added (a patch that
     does not apply there is `not-alone`); stored apart (build/proofs/<baseline>.alone.json).
+    `servers`: the run's fork servers (else one for this baseline).
     """
     check_python(python)
     runs = runs if runs is not None else Runs()
@@ -274,6 +352,7 @@ def prove_baseline(
         held = {c.patch for c in cells if c.proof}
         only = [c.patch for c in cells if c.patch not in held and (not only or c.patch in only)]
         if not only:
+            progress.step(f"{b.name}: every stored proof still holds", long=True)
             _checkout(tree, head)
             return cells
     # Tree state (commit) -> proof files to run there, in series order.
@@ -310,13 +389,18 @@ def prove_baseline(
                 files.append(str(proof))
         ours.append((cell, str(proof), parent, commit))
 
+    start = time.monotonic()
+    count = len(ours) + len(unapplied) + len(legacy)
+    progress.step(f"{b.name}: proving {count} patch(es)", long=True)
     results: dict[tuple[str, str], dict] = {}
-    for state, files in plan.items():
-        _checkout(tree, state)
-        names = ", ".join(Path(f).stem for f in files)
-        progress.step(f"{b.name} @ {_label(cells, state)}: {names}")
-        for f, result in run_proofs(tree, files, python, root, runs).items():
-            results[(state, f)] = result
+    with contextlib.nullcontext(servers) if servers else Servers(python, runs) as pool:
+        server = pool.get(tree) if plan else None
+        for state, files in plan.items():
+            _checkout(tree, state)
+            names = ", ".join(Path(f).stem for f in files)
+            progress.step(f"{b.name} @ {_label(cells, state)}: {names}", long=True)
+            for f, result in run_proofs(tree, files, python, root, runs, server).items():
+                results[(state, f)] = result
     for cell, proof, parent, commit in ours:
         before, after = results[(parent, proof)], results[(commit, proof)]
         cell.proof = {
@@ -342,10 +426,10 @@ def prove_baseline(
             parent, commit = states[cell.patch] if alone else (_parent(tree, cell), cell.commit)
             _checkout(tree, parent)
             git.run(tree, "apply", "--include=tests/*", patch_arg(path))
-            progress.step(f"{b.name} {cell.patch}: tests without the fix")
+            progress.step(f"{b.name} {cell.patch}: tests without the fix", long=True)
             before = run_tests(tree, tests, python)
             _checkout(tree, commit)
-            progress.step(f"{b.name} {cell.patch}: tests with the fix")
+            progress.step(f"{b.name} {cell.patch}: tests with the fix", long=True)
             after = run_tests(tree, tests, python)
             with runs.lock:
                 runs.legacy += 2
@@ -355,6 +439,9 @@ def prove_baseline(
         if cell.proof:
             cell.proof |= {"key": keys.get(cell.patch, ""), "pin": b.pin}
             store[cell.patch] = cell.proof
+    verdicts = collections.Counter(c.proof["verdict"] for c in cells if c.proof)
+    done = ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items())) or "nothing to prove"
+    progress.step(f"{b.name}: {done} ({time.monotonic() - start:.0f} s)", long=True)
     _checkout(tree, head)
     out = root / PROOFS_DIR / f"{b.name}{'.alone' if alone else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

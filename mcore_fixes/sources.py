@@ -318,7 +318,7 @@ def project_lock(root: Path, progress: Progress) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            progress.step(f"waiting for another mcore_fixes run in {root}")
+            progress.step(f"waiting for another mcore_fixes run in {root}", long=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from toolworld import Result, World, build_world, cli
 
+from mcore_fixes import forkserver
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _hermetic_env(tmp_path_factory):
@@ -35,6 +37,12 @@ def _hermetic_env(tmp_path_factory):
         # `prove` runs pytest in subprocesses: keep them lean (no third-party plugins).
         mp.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
         yield
+
+
+@pytest.fixture(autouse=True)
+def _lean_fork_server(monkeypatch):
+    """`prove`'s fork server preloads only pytest: the toy megatron imports no torch."""
+    monkeypatch.setattr(forkserver, "PRELOAD", ("pytest",))
 
 
 @pytest.fixture(scope="session")

@@ -52,6 +52,16 @@ def test_version_is_quiet_and_labels_unexported_edits(clone):
     assert version(clone).stdout == "0.1.0+fixes.3.edited\n"
 
 
+def test_first_build_says_it_downloads_and_patches(clone):
+    r = version(clone)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines()[0] == (
+        "mcore-fixes: no vendored megatron/ yet: downloading the pinned megatron-core sdist "
+        "(unless cached) and applying the patches (python -m mcore_fixes vendor)"
+    )
+    assert "mcore-fixes:" not in version(clone).stderr  # vendored: nothing to say
+
+
 def test_stale_build_output_is_removed_and_our_state_kept(clone):
     stale = [
         clone / "build/lib/megatron/core/only_in_016.py",
