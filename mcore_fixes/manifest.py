@@ -40,15 +40,15 @@ class Patch:
         """The upstream PR this patch carries ("" for our own patches)."""
         return f"{UPSTREAM_PULL}{self.upstream_pr}" if self.upstream_pr else ""
 
-    def provenance(self) -> str:
-        """One line: which upstream fix this patch carries and where upstream has it."""
-        if not self.origin:
-            return ""
-        if self.origin == "upstream-pr":
-            return f"upstream's open PR #{self.upstream_pr}, not merged: {self.upstream_url}"
-        where = ", ".join(self.upstream_branches) or "no branch yet"
-        commit = f" ({self.upstream_commit[:10]})" if self.upstream_commit else ""
-        return f"upstream #{self.upstream_pr}{commit}, on {where}: {self.upstream_url}"
+    def upstream_info(self) -> dict:
+        """Where the upstream fix this patch carries comes from (JSON of status and info)."""
+        return {
+            "pr": self.upstream_pr,
+            "url": self.upstream_url,
+            "origin": self.origin,
+            "commit": self.upstream_commit,
+            "branches": list(self.upstream_branches),
+        }
 
 
 @dataclass(frozen=True)
