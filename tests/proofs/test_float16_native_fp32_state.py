@@ -67,7 +67,10 @@ def _build(seed: int):
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     model = Bf16Fp32Bf16(seed)
-    inner = torch.optim.Adam(model.in_order(), lr=1e-2)
+    # before 0.19, load_state_dict() matches param groups by these keys (get_megatron_optimizer
+    # sets them; this hand-built group too)
+    keys = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}
+    inner = torch.optim.Adam([{"params": model.in_order(), **keys}], lr=1e-2)
     config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True)
     optimizer = Float16OptimizerWithFloat16Params(inner, config, None, lambda opt, cfg: None)
     gen = torch.Generator().manual_seed(seed)
