@@ -54,7 +54,8 @@ def _notes(cells: list[Cell]) -> list[str]:
             notes.append(f"{c.baseline} / {c.patch}: {c.state}: {c.detail}")
         if c.proof.get("before") and not c.proof.get("after"):
             b = c.proof["before"]
-            notes.append(f"{c.baseline} / {c.patch}: proof without the patch: {b['summary']}")
+            tree = "on upstream's code" if c.state == "applied-upstream" else "without the patch"
+            notes.append(f"{c.baseline} / {c.patch}: proof {tree}: {b['summary']}")
         elif c.proof.get("before"):
             b, a = c.proof["before"], c.proof["after"]
             notes.append(

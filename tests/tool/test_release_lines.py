@@ -38,6 +38,7 @@ def test_applied_upstream_proof_passes_on_upstreams_code(carried, tool, world):
     row = next(ln for ln in r.out.splitlines() if ln.startswith("core_v0.2.0 "))
     assert "applied-upstream, proof passes" in row
     assert "fix-mean (#77)" in r.out.splitlines()[0]  # the column names the upstream PR
+    assert "core_v0.2.0 / fix-mean: proof on upstream's code: 1 passed" in r.out
     store = json.loads((carried / "build/proofs/core_v0.2.0.json").read_text())
     assert store["fix-mean"]["verdict"] == "applied-upstream"
     assert store["fix-mean"]["before"]["outcome"] == "passed"
