@@ -577,6 +577,8 @@ def _linear(scratch: Path, m: Manifest, b: Baseline, base: str) -> dict[str, str
             continue
         read_patch(path)
         proc = git.run(scratch, "apply", "--index", str(path), check=False)
+        if proc.returncode != 0 and git.ok(scratch, "apply", "-R", "--check", str(path)):
+            continue  # already in `base`: upstream's own commit, carried for the releases
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["conflict"])[-1]
             raise CheckFailed(
