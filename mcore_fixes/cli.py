@@ -336,7 +336,8 @@ def cmd_prove(args: argparse.Namespace) -> int:
     if args.timing:
         Path(args.timing).write_text(json.dumps(runs.as_json(), indent=1) + "\n")
     print(report.markdown(m, cells) if args.markdown else report.table(m, cells))
-    fine = ("proven", "fixed-upstream", "fails-unpatched")  # the latter: a conflict, said so
+    # the last: a conflict, said so
+    fine = ("proven", "fixed-upstream", "applied-upstream", "fails-unpatched")
     bad = [c for c in cells if c.proof and c.proof.get("verdict") not in fine]
     return 1 if bad else 0
 
@@ -439,6 +440,14 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"  applied   fix {entry['fix']}: {entry['id']} ({entry['file']})")
     for entry in record["not_applied"]:
         print(f"  {entry['state']:<9} fix {entry['fix']}: {entry['id']}: {entry['reason']}")
+    carried = [e for e in record["applied"] if e.get("upstream")]
+    if carried:
+        print(f"upstream's own fixes this fork adds to {record['baseline']} (not in this base):")
+    for entry in carried:
+        up = entry["upstream"]
+        where = "open PR, not merged" if up["origin"] == "upstream-pr" else "merged on "
+        where += ", ".join(up["branches"])
+        print(f"  #{up['pr']} {entry['id']} ({where}): {up['url']}")
     return 0
 
 

@@ -14,6 +14,8 @@ SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 PYTHON_RE = re.compile(r"^3\.\d+$")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 ABBREV_RE = re.compile(r"^[0-9a-f]{7,40}$")
+UPSTREAM_PULL = "https://github.com/NVIDIA/Megatron-LM/pull/"
+ORIGINS = ("upstream", "upstream-pr")  # a merged upstream commit / an open upstream PR
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,27 @@ class Patch:
     # the upstream commit that is this patch in the PR for the canonical baseline (`upstream`
     # cherry-picks it with -x in place of the patch); "" = the patch is our own commit
     upstream_commit: str = ""
+    # provenance of a patch that carries upstream's own fix (the release lines): the PR number,
+    # "upstream" (a merged commit) or "upstream-pr" (an open PR, carried until it merges), and
+    # the upstream branches that have it; all empty for our own patches
+    upstream_pr: int = 0
+    origin: str = ""
+    upstream_branches: tuple[str, ...] = ()
+
+    @property
+    def upstream_url(self) -> str:
+        """The upstream PR this patch carries ("" for our own patches)."""
+        return f"{UPSTREAM_PULL}{self.upstream_pr}" if self.upstream_pr else ""
+
+    def upstream_info(self) -> dict:
+        """Where the upstream fix this patch carries comes from (JSON of status and info)."""
+        return {
+            "pr": self.upstream_pr,
+            "url": self.upstream_url,
+            "origin": self.origin,
+            "commit": self.upstream_commit,
+            "branches": list(self.upstream_branches),
+        }
 
 
 @dataclass(frozen=True)
@@ -108,7 +131,19 @@ _SHARED = ("variants", "absent", "fixed-upstream", "backports")
 # Every key the manifest may use, in one place: add a key here where the loader reads it. Any
 # other key is refused by name (a typo such as `varients` would otherwise be ignored silently).
 TOP_KEYS = frozenset({"canonical", "default", "patch", "baselines"})
-PATCH_KEYS = frozenset({"id", "file", "fix", "requires", "proof", "upstream-commit"})
+PATCH_KEYS = frozenset(
+    {
+        "id",
+        "file",
+        "fix",
+        "requires",
+        "proof",
+        "upstream-commit",
+        "upstream-pr",
+        "origin",
+        "upstream-branches",
+    }
+)
 BASELINE_KEYS = frozenset(
     {"source", "version", "sha256", "ref", "commit", "python", "same-code-as", *_SHARED}
 )
@@ -172,6 +207,23 @@ def _upstream_commit(value: object) -> str:
     return value
 
 
+def _origin(entry: dict) -> tuple[int, str, tuple[str, ...]]:
+    """`upstream-pr`, `origin` and `upstream-branches` of a [[patch]] entry, checked together."""
+    pr, origin = entry.get("upstream-pr", 0), entry.get("origin", "")
+    branches = tuple(_str_list(entry.get("upstream-branches", [])))
+    if not isinstance(pr, int) or isinstance(pr, bool) or pr < 0:
+        raise ValueError(f"upstream-pr {pr!r} must be a pull-request number")
+    if origin and origin not in ORIGINS:
+        raise ValueError(f"origin {origin!r} must be one of {', '.join(ORIGINS)}")
+    if origin and not pr:
+        raise ValueError(f"origin {origin!r} needs the upstream-pr it comes from")
+    if origin == "upstream" and not (branches and entry.get("upstream-commit")):
+        raise ValueError('origin "upstream" needs upstream-commit and upstream-branches')
+    if origin == "upstream-pr" and branches:
+        raise ValueError('origin "upstream-pr" (not merged) cannot name upstream-branches')
+    return pr, origin, branches
+
+
 def load(path: Path) -> Manifest:
     """Parse and validate a manifest; every problem is a UserError naming the entry."""
     try:
@@ -197,6 +249,7 @@ def load(path: Path) -> Manifest:
         try:
             if not isinstance(entry["id"], str) or not entry["id"]:
                 raise ValueError(f"id {entry['id']!r} must be a non-empty string")
+            pr, origin, branches = _origin(entry)
             patch = Patch(
                 id=entry["id"],
                 file=_rel_file(entry["file"]),
@@ -204,6 +257,9 @@ def load(path: Path) -> Manifest:
                 requires=tuple(_str_list(entry.get("requires", []))),
                 proof=_proof_file(entry.get("proof")),
                 upstream_commit=_upstream_commit(entry.get("upstream-commit")),
+                upstream_pr=pr,
+                origin=origin,
+                upstream_branches=branches,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path}: [[patch]] entry {entry!r} is incomplete ({exc})") from None

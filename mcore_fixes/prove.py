@@ -38,6 +38,7 @@ from .series import (
     APPLIES,
     CONFLICT,
     FIXED,
+    UPSTREAM,
     Cell,
     apply_series,
     diff_sha256,
@@ -359,9 +360,10 @@ def prove_baseline(
     plan: dict[str, list[str]] = {}
     ours: list[tuple[Cell, str, str, str]] = []  # cell, proof file, before, after commit
     legacy: list[Cell] = []
-    unapplied: list[tuple[Cell, str]] = []  # does not apply: has upstream fixed it?
+    # does not apply (has upstream fixed it?) or reverse-applies (does upstream's code pass?)
+    unapplied: list[tuple[Cell, str]] = []
     for cell in cells:
-        if cell.state not in (APPLIES, FIXED, CONFLICT) or (only and cell.patch not in only):
+        if cell.state not in JUDGED or (only and cell.patch not in only):
             continue
         proof = manifest.proof_path(manifest.patch(cell.patch))
         if proof is not None and cell.state != APPLIES:
@@ -496,14 +498,23 @@ def _proof_sha(manifest: Manifest, patch_id: str) -> str:
     return h.hexdigest()
 
 
+# Cell states whose proof prove runs: applied ones before and after the patch, the others
+# (judge_unapplied) once, on the tree without the patch.
+JUDGED = (APPLIES, FIXED, CONFLICT, UPSTREAM)
+
+
 def judge_unapplied(cell: Cell, before: dict) -> str:
     """A patch that does not apply, judged by its proof on the tree without it.
 
     Its proof passes: upstream fixed it its own way (`fixed-upstream`, also where the manifest
     does not record it yet). It fails: a manifest claim of `fixed-upstream` is refuted and the
-    cell is a `conflict` again; a plain conflict stays one.
+    cell is a `conflict` again; a plain conflict stays one. A patch that reverse-applies
+    (`applied-upstream`, e.g. upstream's own commit carried for the releases, on main): its
+    proof must pass on upstream's code as it is, or the claim is refuted.
     """
     passes = before["outcome"] == "passed"
+    if cell.state == UPSTREAM:
+        return "applied-upstream" if passes else "applied-upstream-refuted"
     if passes:
         if cell.state == CONFLICT:
             cell.state = FIXED
@@ -552,7 +563,7 @@ def attach_proofs(root: Path, manifest: Manifest, b: Baseline, cells: list[Cell]
     keys = proof_keys(manifest, cells)
     for cell in cells:
         proof = store.get(cell.patch)
-        if not proof or cell.state not in (APPLIES, FIXED, CONFLICT):
+        if not proof or cell.state not in JUDGED:
             continue
         if proof.get("pin") != b.pin or proof.get("key") != keys.get(cell.patch):
             continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .manifest import Manifest
+from .manifest import Manifest, Patch
 from .series import Cell
 
 _PROOF_MARK = {
@@ -18,6 +18,8 @@ _PROOF_MARK = {
     "fixed-upstream": "proof passes unpatched",
     "fixed-upstream-refuted": "PROOF FAILS UNPATCHED",
     "fails-unpatched": "proof fails unpatched",
+    "applied-upstream": "proof passes",
+    "applied-upstream-refuted": "PROOF FAILS ON UPSTREAM'S CODE",
 }
 
 
@@ -28,10 +30,15 @@ def cell_text(cell: Cell) -> str:
     return cell.state
 
 
+def column(p: Patch) -> str:
+    """A patch's column header: its id and fix, or the upstream PR whose fix it carries."""
+    return f"{p.id} (#{p.upstream_pr})" if p.origin else f"{p.id} (fix {p.fix})"
+
+
 def _grid(manifest: Manifest, cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
     by_key = {(c.baseline, c.patch): c for c in cells}
     baselines = [b for b in manifest.baselines if any(c.baseline == b for c in cells)]
-    header = ["baseline"] + [f"{p.id} (fix {p.fix})" for p in manifest.patches]
+    header = ["baseline"] + [column(p) for p in manifest.patches]
     rows = [
         [b]
         + [cell_text(by_key[(b, p.id)]) if (b, p.id) in by_key else "" for p in manifest.patches]
@@ -47,7 +54,8 @@ def _notes(cells: list[Cell]) -> list[str]:
             notes.append(f"{c.baseline} / {c.patch}: {c.state}: {c.detail}")
         if c.proof.get("before") and not c.proof.get("after"):
             b = c.proof["before"]
-            notes.append(f"{c.baseline} / {c.patch}: proof without the patch: {b['summary']}")
+            tree = "on upstream's code" if c.state == "applied-upstream" else "without the patch"
+            notes.append(f"{c.baseline} / {c.patch}: proof {tree}: {b['summary']}")
         elif c.proof.get("before"):
             b, a = c.proof["before"], c.proof["after"]
             notes.append(
@@ -108,6 +116,7 @@ def as_json(manifest: Manifest, cells: list[Cell], kinds: list | None = None) ->
         ],
         "patches": [
             {"id": p.id, "fix": p.fix, "file": p.file, "requires": list(p.requires)}
+            | ({"upstream": p.upstream_info()} if p.origin else {})
             for p in manifest.patches
         ],
         "cells": [c.as_json() for c in cells],

@@ -496,17 +496,13 @@ class Built:
     n_commits: int = 0
 
 
-def _origin(p: Patch) -> str:
-    return str(getattr(p, "origin", "") or "")
-
-
 def is_carried(m: Manifest, p: Patch) -> bool:
     """Upstream's own commit, carried by the series (not ours): it names its `upstream-commit`,
     and its manifest `origin` (upstream, upstream-pr) or its message's DEP-3 `Origin:` says so."""
     if not p.upstream_commit:
         return False
-    if _origin(p):
-        return _origin(p) in ("upstream", "upstream-pr")
+    if p.origin:
+        return p.origin in ("upstream", "upstream-pr")
     path = m.root / p.file
     if not path.is_file():
         return False
@@ -519,7 +515,7 @@ def plan(m: Manifest, only: list[int] | None, pr_of: Callable[[str], str]) -> li
     owner: dict[str, str] = {}
     for p in m.patches:
         if is_carried(m, p):
-            pr = getattr(p, "upstream_pr", None) or pr_of(p.upstream_commit)
+            pr = p.upstream_pr or pr_of(p.upstream_commit)
             key = f"cherry-pick-{pr or p.upstream_commit[:10]}"
             unit = units.setdefault(key, Unit(key, p.fix, [], carried=True))
         else:
@@ -837,7 +833,7 @@ class Build:
         on_branch = git.out(
             checkout, "for-each-ref", "--count=1", "--contains", full, "refs/heads", "refs/remotes"
         )
-        if any(_origin(q) == "upstream-pr" for q in unit.patches) or not on_branch:
+        if any(q.origin == "upstream-pr" for q in unit.patches) or not on_branch:
             return (
                 f"{named} is on no branch of the checkout (an open PR): its author's to send; "
                 "the series carries it until upstream merges it"

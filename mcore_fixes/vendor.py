@@ -11,7 +11,7 @@ from pathlib import Path
 
 from . import git
 from .errors import CheckFailed, UserError
-from .manifest import Baseline, Manifest
+from .manifest import Baseline, Manifest, Patch
 from .progress import Progress
 from .series import OK_STATES, Cell, apply_series, file_sha256, read_patch, test_files
 
@@ -71,17 +71,24 @@ def info_record(manifest: Manifest, b: Baseline, tree: Path, cells: list[Cell]) 
                 "file": c.file,
                 "sha256": file_sha256(manifest.root / c.file),
                 **({"left_out": c.excluded} if c.excluded else {}),
+                **_upstream(patches[c.patch]),
             }
             for c in cells
             if c.state == "applies"
         ],
         "not_applied": [
             {"id": c.patch, "fix": patches[c.patch].fix, "state": c.state, "reason": c.detail}
+            | _upstream(patches[c.patch])
             for c in cells
             if c.state != "applies"
         ],
         "base_metadata": base_metadata(tree),
     }
+
+
+def _upstream(p: Patch) -> dict:
+    """The upstream fix a patch carries, for the record (`info` lists them with links)."""
+    return {"upstream": p.upstream_info()} if p.origin else {}
 
 
 def local_edits(root: Path) -> list[str] | None:

@@ -308,16 +308,18 @@ class MixedDtypeNet(torch.nn.Module):
             setattr(self, name, layer.to(dtype))
 
 
-def build_distopt(model_chunks: list[torch.nn.Module], **config: object):
+def build_distopt(model_chunks: list[torch.nn.Module], ddp: dict | None = None, **config: object):
     """Real DDP per chunk and get_megatron_optimizer (torch Adam: no TE/apex on CPU).
 
-    Returns (ddp chunks, optimizer as returned, its DistributedOptimizers).
+    ``ddp``: more DistributedDataParallelConfig fields (e.g. ``overlap_grad_reduce`` and a small
+    ``bucket_size``: several buckets). Returns (ddp chunks, optimizer as returned, its
+    DistributedOptimizers).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, **(ddp or {}))
     chunks = [
         DistributedDataParallel(
             TransformerConfig(num_attention_heads=1, num_layers=1), ddp_config, chunk
@@ -441,16 +443,22 @@ class CheckpointDirs:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def writer_queue_in_process() -> None:
+    """dist_checkpointing.save's result queue as a plain queue of this rank: it would live in a
+    spawned multiprocessing manager (~15 s of imports here, and it outlives the forked rank);
+    its writers are threads of this rank."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def distopt_save(chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path, old_index=False):
     """Save the optimizer state in `sharding_type`; with old_index, as MCore wrote it before
     the param-index fix (the grad-buffer-order index). Collective over the world."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", False) is None:
-        # The writer's result queue would live in a spawned multiprocessing manager (~15 s of
-        # imports here, and it outlives the forked rank); its writers are threads of this rank.
-        filesystem_async._results_queue = queue.Queue()
+    writer_queue_in_process()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     indexes = [opt.model_param_group_index_map for opt in opts]
     if old_index:
@@ -681,3 +689,63 @@ def init_model_parallel() -> None:
 
     parallel_state.initialize_model_parallel()
     torch.manual_seed(1234)
+
+
+# Megatron-FSDP (fully_shard) on a CPU mesh: its buffers overlap copies and reductions on CUDA
+# streams and events. On the CPU every operation runs in order, so a stream is the one CPU
+# queue: waits and records are no-ops, nothing else changes.
+
+
+class _CpuStream:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __enter__(self) -> _CpuStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def wait_stream(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def wait_event(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record_event(self, *args: object, **kwargs: object) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuEvent(_CpuStream):
+    def record(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def wait(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class CudaStreamsOnCpu:
+    """``torch.cuda`` streams, events and ``synchronize`` -> in-order no-ops (with CudaOnCpu)."""
+
+    NAMES = ("Stream", "Event", "current_stream", "default_stream", "stream", "synchronize")
+
+    def __enter__(self) -> CudaStreamsOnCpu:
+        self._saved = {name: getattr(torch.cuda, name) for name in self.NAMES}
+        self._record_stream = torch.Tensor.record_stream
+        torch.cuda.Stream, torch.cuda.Event = _CpuStream, _CpuEvent
+        torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: _CpuStream()
+        torch.cuda.stream = lambda *a, **k: _CpuStream()
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.Tensor.record_stream = lambda self, stream: None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, value in self._saved.items():
+            setattr(torch.cuda, name, value)
+        torch.Tensor.record_stream = self._record_stream

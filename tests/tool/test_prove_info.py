@@ -82,12 +82,13 @@ def test_prove_whole_series_with_git_baselines(world, project, tool):
     row = r.out.splitlines()[2]
     assert [c.strip() for c in row.split("  ") if c.strip()] == [
         "core_v0.2.0",
-        "applied-upstream",
+        "applied-upstream, proof passes",  # its proof runs on upstream's code
         "applies, proven",
         "applies, TEST PASSES UNPATCHED",
     ]
     proofs = json.loads((project / "build/proofs/core_v0.2.0.json").read_text())
     assert {k: v["verdict"] for k, v in proofs.items()} == {
+        "fix-mean": "applied-upstream",
         "join-sep": "proven",
         "weak-test": "passes-unpatched",
     }
