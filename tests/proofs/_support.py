@@ -571,6 +571,21 @@ def load_te_standin():
     return module
 
 
+def precision_aware_config(**kwargs):
+    """OptimizerConfig of a precision-aware Adam (override any field by keyword), built where
+    TE's FusedAdam is the stand-in (the config checks that TE's FusedAdam exists)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    fields = dict(
+        optimizer="adam",
+        lr=1e-2,
+        use_distributed_optimizer=True,
+        use_precision_aware_optimizer=True,
+    )
+    with load_te_standin().te_stand_in(te_modules=True):
+        return OptimizerConfig(**(fields | kwargs))
+
+
 class MultiTensorContract:
     """clip_grads' ``multi_tensor_applier`` held to TE's contract: no empty tensor list.
 

@@ -1,17 +1,15 @@
-"""Proof of decoupled-grad-reader: every gradient reader asks the optimizer where it reads.
+"""Proof of decoupled-grad-reader: gradients are written and read where the optimizer reads.
 
 TE's FusedAdam reads `param.decoupled_grad` iff its `use_decoupled_grad` is set and skips
-parameters whose gradient there is None; get_megatron_optimizer sets it for Megatron-FSDP v1
-after construction. The readers guessed instead, each its own way: grad norm, clipping and
-zero counting from `config.use_precision_aware_optimizer_no_fp8_or_ds_fp8` (plus an FSDP
-heuristic on `params[0]` from 0.18), MIMO's clip from `config.use_precision_aware_optimizer`,
-FP16 unscaling of the DistributedOptimizer from the config. Wherever the guess differs from the
-optimizer, the norm is 0, nothing is clipped, or unscaling reads `None.data`.
+parameters whose gradient there is None; get_megatron_optimizer sets it at construction and,
+for Megatron-FSDP, afterwards. Grad norm, clipping, zero counting and DistributedOptimizer's
+copy into main grads decided from the config instead (from 0.18 with a Megatron-FSDP heuristic
+on `params[0]`): wherever that differs from the optimizer the norm is 0, nothing is clipped,
+gradients land where the optimizer does not read, or a rank without parameters fails.
 
-Real MCore objects: FP32Optimizer, ChainedOptimizer, MimoOptimizer, DistributedOptimizer and
-FullyShardedOptimizer, built by MCore's own constructors or get_megatron_optimizer, in a forked
-gloo world. Stand-ins, all outside the code under test: TE's FusedAdam (tests/multigpu/
-te_standin.py, its documented contract), the Megatron-FSDP v1 chunk of _support, the CUDA shim.
+Real MCore objects: FP32Optimizer, ChainedOptimizer, DistributedOptimizer (real DDP) and
+FullyShardedOptimizer, in forked gloo worlds of 1 and 2. Stand-ins, outside the code under
+test: TE's FusedAdam (tests/multigpu/te_standin.py, its documented contract), the CUDA shim.
 """
 
 from __future__ import annotations
@@ -19,22 +17,22 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from _support import (
-    FsdpV1Chunk,
     MultiTensorContract,
+    build_distopt,
     check,
     fsdp_ddp_config,
     init_model_parallel,
     load_te_standin,
+    precision_aware_config,
     run_world,
 )
 from megatron.core import parallel_state
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 
 te_standin = load_te_standin()
@@ -59,7 +57,7 @@ def _readers_follow_the_optimizer() -> None:
     """The wrapped optimizer says `use_decoupled_grad` (as FusedAdam does): readers follow."""
     params, grads = _params_with_grads("decoupled_grad")
     adam = torch.optim.Adam(params, lr=1e-2)
-    adam.use_decoupled_grad = True  # what get_megatron_optimizer sets for Megatron-FSDP v1
+    adam.use_decoupled_grad = True  # what get_megatron_optimizer sets for Megatron-FSDP
     optimizer = FP32Optimizer(adam, OptimizerConfig(optimizer="adam", clip_grad=0.5), None)
     chained = ChainedOptimizer([optimizer])
     expected = _norm(grads)
@@ -70,6 +68,22 @@ def _readers_follow_the_optimizer() -> None:
     with MultiTensorContract():
         assert math.isclose(optimizer.clip_grad_norm(0.5), expected, rel_tol=1e-5)
     assert math.isclose(_norm(grads), 0.5, rel_tol=1e-4), "clipping did not scale"
+
+
+def _copy_into_main_grads_follows_the_optimizer() -> None:
+    """DistributedOptimizer (real DDP) copies main grads where its optimizer reads."""
+    chunks, _, opts = build_distopt([torch.nn.Linear(8, 8)], bf16=False)
+    distopt = opts[0]
+    distopt.optimizer.use_decoupled_grad = True
+    for param in chunks[0].module.parameters():
+        param.main_grad.copy_(torch.rand_like(param) + 0.5)
+    distopt.prepare_grads()
+    main_params = distopt.get_parameters()
+    assert main_params, "this rank holds no shard"
+    where = [
+        (p.grad is not None, getattr(p, "decoupled_grad", None) is not None) for p in main_params
+    ]
+    assert where == [(False, True)] * len(main_params), f"(grad, decoupled_grad) set: {where}"
 
 
 class _DuckOptimizer:
@@ -102,67 +116,13 @@ def _duck_typed_children() -> None:
     assert math.isclose(chained.get_grad_norm(), _norm(grads), rel_tol=1e-5)
 
 
-def _mimo_clips_where_its_optimizer_reads() -> None:
-    """MIMO with a module optimizer that reads param.grad under a precision-aware config."""
-    try:
-        from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
-    except ImportError:
-        return  # no MIMO before core_v0.17
-    with te_standin.te_stand_in(te_modules=True):
-        config = OptimizerConfig(
-            optimizer="adam",
-            lr=1e-2,
-            clip_grad=0.5,
-            use_distributed_optimizer=True,
-            use_precision_aware_optimizer=True,
-            fp8_recipe="mxfp8",  # FusedAdam then reads param.grad
-        )
-    params, grads = _params_with_grads("grad")
-    adam = te_standin.FusedAdamStandIn(params, lr=1e-2, use_decoupled_grad=False)
-    module = FP32Optimizer(adam, config, lambda opt, config=None: None)
-    info = ModuleOptimizerInfo(optimizer=module, grid=None, pg_collection=None, is_active=True)
-    mimo = MimoOptimizer({"llm": info}, config)
-    with MultiTensorContract():
-        success, grad_norm, _ = mimo.step()
-    assert success and grad_norm > 0.5, (success, grad_norm)
-    assert math.isclose(_norm(grads), 0.5, rel_tol=1e-4), (
-        f"grad norm {grad_norm} vs clip_grad 0.5: MIMO left the gradients unclipped "
-        f"(norm {_norm(grads)})"
-    )
-
-
-def _fsdp_fp16_unscaling_reads_decoupled_grad() -> None:
-    """FP16 + Megatron-FSDP v1 + precision-aware + MXFP8: unscaling reads what FusedAdam reads."""
-    with te_standin.te_stand_in(te_modules=True):
-        config = OptimizerConfig(
-            optimizer="adam",
-            lr=1e-2,
-            fp16=True,
-            use_distributed_optimizer=True,
-            use_precision_aware_optimizer=True,
-            fp8_recipe="mxfp8",
-        )
-    chunk = FsdpV1Chunk(fsdp_ddp_config())
-    with te_standin.te_stand_in(te_modules=False):
-        optimizer = get_megatron_optimizer(config, [chunk], use_gloo_process_groups=False)
-    if not getattr(optimizer.optimizer, "use_decoupled_grad", False):
-        return  # this baseline's FusedAdam reads param.grad here: nothing to disagree with
-    for param, grad in chunk.make_grads().items():
-        param.decoupled_grad = grad  # where FusedAdam reads, and Megatron-FSDP installs
-    main_grads = optimizer._collect_main_grad_data_for_unscaling()
-    assert len(main_grads) == len(list(chunk.parameters())), main_grads
-
-
 def _mfsdp_v2_readers_follow_fused_adam() -> None:
     """Megatron-FSDP v2 builds FusedAdam to read param.grad: the grad norm reads it too."""
     try:
         from megatron.core.optimizer.fully_sharded_optimizer import FullyShardedOptimizer
     except ImportError:
         return  # no Megatron-FSDP v2 optimizer in this baseline
-    with te_standin.te_stand_in(te_modules=True):
-        config = OptimizerConfig(
-            optimizer="adam", lr=1e-2, use_precision_aware_optimizer=True, clip_grad=0.5
-        )
+    config = precision_aware_config(use_distributed_optimizer=False, clip_grad=0.5)
 
     class _V2Chunk(torch.nn.Module):
         def __init__(self) -> None:
@@ -185,8 +145,8 @@ def _mfsdp_v2_readers_follow_fused_adam() -> None:
 
 @contextmanager
 def _recorded_all_reduces() -> Iterator[list]:
-    """``torch.distributed.all_reduce`` calls recorded, not run: a rank issuing more of them
-    than another would hang the real ones; the counts are compared afterwards."""
+    """``torch.distributed.all_reduce`` calls recorded, not run: a rank that fails or issues
+    more of them than another would hang the real ones; the counts are compared afterwards."""
     calls: list = []
     original = dist.all_reduce
     dist.all_reduce = lambda *args, **kwargs: calls.append(kwargs.get("group"))
@@ -196,49 +156,29 @@ def _recorded_all_reduces() -> Iterator[list]:
         dist.all_reduce = original
 
 
-def _count_zeros_one_reduction_whatever_each_rank_owns() -> None:
-    """Collective contract: count_zeros of a chain (ChainedOptimizer, LayerWise) makes one
-    reduction on every rank, whatever its optimizers own there, each read where it reads.
-
-    Two pipeline stages, one grad-stats group: the first chained optimizer (torch Adam, reads
-    param.grad) owns parameters on stage 0 only, a stub on stage 1 (as MCore builds for a
-    module a stage does not hold); the second wraps an optimizer that says
-    `use_decoupled_grad` (as FusedAdam does). Counting once per attribute among the owning
-    optimizers made [2, 1] reductions; reading one attribute for the chain missed zeros.
-    """
-    config = OptimizerConfig(optimizer="adam", lr=1e-2)
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    grad_params, _ = _params_with_grads("grad")  # one zero each
-    reads_grad = FP32Optimizer(
-        torch.optim.Adam(grad_params, lr=1e-2) if stage == 0 else None, config, None
-    )
-    decoupled_params, _ = _params_with_grads("decoupled_grad")
-    adam = torch.optim.Adam(decoupled_params, lr=1e-2)
-    adam.use_decoupled_grad = True
-    reads_decoupled = FP32Optimizer(adam, config, None)
-    children = [reads_grad, reads_decoupled]
-    world_size = dist.get_world_size()
-    expected = len(grad_params) + world_size * len(decoupled_params)
-    chains = {"ChainedOptimizer": ChainedOptimizer(children)}
-    try:
-        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
-    except ImportError:
-        pass  # no layer-wise optimizer before 0.16
-    else:
-        # Its real count_zeros, on what it reads of itself (building one needs a model).
-        fields = dict(chained_optimizers=children, config=config, tp_group=None)
-        layer_wise = SimpleNamespace(**fields, expert_tp_group=None)
-        chains["LayerWiseDistributedOptimizer"] = SimpleNamespace(
-            count_zeros=lambda: LayerWiseDistributedOptimizer.count_zeros(layer_wise)
-        )
-    for name, chain in chains.items():
-        with _recorded_all_reduces() as calls:
-            chain.count_zeros()
-        per_rank = [None] * world_size
-        dist.all_gather_object(per_rank, len(calls))
-        assert per_rank == [1] * world_size, f"{name}: all_reduce calls per rank {per_rank}"
-        num_zeros = float(chain.count_zeros())
-        assert num_zeros == expected, f"{name}: {num_zeros} zeros, expected {expected}"
+def _chain_count_zeros_on_a_rank_without_parameters() -> None:
+    """ChainedOptimizer.count_zeros with a precision-aware MXFP8 config: the optimizer owns
+    parameters on pipeline stage 0 only (a stub on stage 1, as MCore builds for a module a
+    stage does not hold) and reads param.decoupled_grad, as FusedAdam under Megatron-FSDP.
+    Every rank makes the one reduction and the zeros are counted where the optimizer reads;
+    the config's guess read param.grad (no zero counted) and took `params[0]` of an empty
+    list on stage 1 (IndexError)."""
+    config = precision_aware_config(fp8_recipe="mxfp8")
+    params, grads = _params_with_grads("decoupled_grad")
+    owns = parallel_state.get_pipeline_model_parallel_rank() == 0
+    adam = te_standin.FusedAdamStandIn(params, lr=1e-2, use_decoupled_grad=True) if owns else None
+    chained = ChainedOptimizer([FP32Optimizer(adam, config, None)])
+    failure = ""
+    with _recorded_all_reduces() as calls:
+        try:
+            chained.count_zeros()
+        except Exception as error:  # noqa: BLE001 - compared across ranks below
+            failure = repr(error)
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (len(calls), failure))
+    assert per_rank == [(1, "")] * len(per_rank), f"(all_reduce calls, failure) per rank {per_rank}"
+    num_zeros = chained.count_zeros()
+    assert num_zeros == len(grads), f"{num_zeros} zeros counted, expected {len(grads)}"
 
 
 def _init_two_stages() -> None:
@@ -249,16 +189,14 @@ def _init_two_stages() -> None:
 
 _CASES = {
     "readers_follow_the_optimizer": _readers_follow_the_optimizer,
+    "copy_into_main_grads_follows_the_optimizer": _copy_into_main_grads_follows_the_optimizer,
     "duck_typed_children": _duck_typed_children,
-    "mimo_clips_where_its_optimizer_reads": _mimo_clips_where_its_optimizer_reads,
-    "fsdp_fp16_unscaling_reads_decoupled_grad": _fsdp_fp16_unscaling_reads_decoupled_grad,
     "mfsdp_v2_readers_follow_fused_adam": _mfsdp_v2_readers_follow_fused_adam,
 }
 
-
 _TWO_RANK_CASES = {
-    "count_zeros_one_reduction_whatever_each_rank_owns": (
-        _count_zeros_one_reduction_whatever_each_rank_owns
+    "chain_count_zeros_on_a_rank_without_parameters": (
+        _chain_count_zeros_on_a_rank_without_parameters
     )
 }
 

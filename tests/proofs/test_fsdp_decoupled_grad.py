@@ -4,17 +4,16 @@ With a precision-aware optimizer (TE's FusedAdam) under Megatron-FSDP v1, FusedA
 `param.decoupled_grad`, while the gradient buffer installs into `param.grad` unless told
 otherwise (`DistributedDataParallelConfig.megatron_fsdp_use_decoupled_grad`, default False,
 from 0.18; before that a buffer attribute nobody sets). Left at default, FusedAdam skips every
-parameter (weights frozen), the grad norm is 0 and clipping sees no gradient. After the fix the
-optimizer decides and each chunk's buffer follows, the caller's DDP config is read and never
-written (chunks may share one); a True the optimizer cannot honour is a ValueError at setup; an
-optimizer owning no parameter (a frozen chunk) constrains nothing.
+parameter (weights frozen), the grad norm is 0 and clipping sees no gradient. After the fix
+every chunk's buffer follows the optimizer config, decided alike on every rank whatever it
+owns; the caller's DDP config is read and never written (chunks may share one); a True the
+optimizer cannot honour is a ValueError at setup, on every rank.
 
-Real MCore: OptimizerConfig, DistributedDataParallelConfig, get_megatron_optimizer (standard
-and emerging paths), DistributedOptimizer, clip_grads, in a forked gloo world of 1. Stand-ins,
-outside the code under test: TE's FusedAdam (tests/multigpu/te_standin.py), the Megatron-FSDP
-v1 chunk and buffer of _support (Megatron-FSDP's own buffers need CUDA), and for the emerging
-path the emerging-optimizers package (an FP32Optimizer around torch SGD, which reads
-param.grad like Muon). The GPU tier (docs/gpu/) runs the real Megatron-FSDP v1.
+Real MCore: OptimizerConfig, DistributedDataParallelConfig, get_megatron_optimizer,
+DistributedOptimizer, clip_grads, in forked gloo worlds of 1 and 2. Stand-ins, outside the
+code under test: TE's FusedAdam (tests/multigpu/te_standin.py), the Megatron-FSDP v1 chunk and
+buffer of _support (Megatron-FSDP's own buffers need CUDA). The GPU tier (docs/gpu/) runs the
+real Megatron-FSDP v1.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 
-import megatron.core.optimizer as mcore_optimizer
 import pytest
 import torch
 from _support import (
@@ -35,24 +33,18 @@ from _support import (
     has_fsdp_ddp_flag,
     init_model_parallel,
     load_te_standin,
+    precision_aware_config,
     run_world,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 
 te_standin = load_te_standin()
 
 
 def _config(precision_aware: bool, **kwargs) -> OptimizerConfig:
-    with te_standin.te_stand_in(te_modules=True):
-        return OptimizerConfig(
-            optimizer=kwargs.pop("optimizer", "adam"),
-            lr=1e-2,
-            use_distributed_optimizer=True,
-            use_precision_aware_optimizer=precision_aware,
-            log_num_zeros_in_grad=True,
-            **kwargs,
-        )
+    return precision_aware_config(
+        use_precision_aware_optimizer=precision_aware, log_num_zeros_in_grad=True, **kwargs
+    )
 
 
 def _build(config: OptimizerConfig, chunks: list):
@@ -121,29 +113,6 @@ def _frozen_chunk_with_flag_true() -> None:
     assert not optimizer.get_parameters()
 
 
-def _emerging_path_contradiction_raises() -> None:
-    if not hasattr(mcore_optimizer, "_get_megatron_emerging_optimizer") or not has_fsdp_ddp_flag():
-        return  # no emerging-optimizer path in this baseline
-
-    def emerging_stand_in(config, model_chunks, **kwargs):
-        params = [p for chunk in model_chunks for p in chunk.parameters()]
-        return ChainedOptimizer([FP32Optimizer(torch.optim.SGD(params, lr=1e-2), config, None)])
-
-    chunk = FsdpV1Chunk(fsdp_ddp_config(**{FSDP_DDP_FLAG: True}))
-    config = _config(False)
-    config.optimizer = "muon"
-    saved = mcore_optimizer._get_megatron_emerging_optimizer
-    mcore_optimizer._get_megatron_emerging_optimizer = emerging_stand_in
-    try:
-        _build(config, [chunk])
-    except ValueError as error:
-        assert FSDP_DDP_FLAG in str(error), str(error)
-    else:
-        raise AssertionError("the emerging-optimizer path accepted a contradictory DDP flag")
-    finally:
-        mcore_optimizer._get_megatron_emerging_optimizer = saved
-
-
 def _step_reads_where_fsdp_writes() -> None:
     clip_grad = 0.5
     chunk = FsdpV1Chunk(fsdp_ddp_config())
@@ -167,14 +136,41 @@ def _step_reads_where_fsdp_writes() -> None:
     assert all(not torch.equal(b, a) for b, a in zip(before, after, strict=True)), "weights frozen"
 
 
+def _every_rank_decides_alike() -> None:
+    """Rank 0 owns parameters, rank 1 none (its chunk is frozen): both set their buffer from
+    the optimizer config, and a contradictory DDP flag raises on both, never on one only
+    (the other would go on to the next collective and hang)."""
+    owns = torch.distributed.get_rank() == 0
+    settings = [(True, {})]  # a precision-aware optimizer, the DDP config left at default
+    if has_fsdp_ddp_flag():
+        settings.append((False, {FSDP_DDP_FLAG: True}))
+    outcomes = []
+    for precision_aware, flag in settings:
+        chunk = FsdpV1Chunk(fsdp_ddp_config(**flag), requires_grad=owns)
+        try:
+            _build(_config(precision_aware), [chunk])
+        except ValueError:
+            outcomes.append("ValueError")
+        else:
+            outcomes.append(chunk.param_and_grad_buffer.installs_decoupled_grad())
+    per_rank = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(per_rank, outcomes)
+    assert per_rank == [[True, "ValueError"][: len(settings)]] * len(per_rank), (
+        f"per rank, [installs decoupled_grad with a precision-aware optimizer, outcome of "
+        f"{FSDP_DDP_FLAG}=True with another]: {per_rank}"
+    )
+
+
 _CASES = {
     "default_follows_the_optimizer": _default_follows_the_optimizer,
     "chunks_sharing_a_ddp_config": _chunks_sharing_a_ddp_config,
     "contradiction_raises_at_setup": _contradiction_raises_at_setup,
     "frozen_chunk_with_flag_true": _frozen_chunk_with_flag_true,
-    "emerging_path_contradiction_raises": _emerging_path_contradiction_raises,
     "step_reads_where_fsdp_writes": _step_reads_where_fsdp_writes,
 }
+
+
+_TWO_RANK_CASES = {"every_rank_decides_alike": _every_rank_decides_alike}
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +183,9 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case", list(_CASES))
 def test_fsdp_decoupled_grad(results, case):
     check(results, case)
+
+
+def test_every_rank_decides_alike(tmp_path):
+    """The decision never depends on what a rank owns."""
+    two_ranks = run_world(_TWO_RANK_CASES, world_size=2, out=tmp_path, init=init_model_parallel)
+    check(two_ranks, "every_rank_decides_alike")
