@@ -48,9 +48,12 @@ PROOFS = Path(__file__).resolve().parents[1] / "tests" / "proofs"
 
 
 def _build_mimo(
-    path: str, backend: str, device: str, world_size: int, hidden: int
+    path: str, backend: str, device: str, world_size: int, hidden: int, llm_rank: int = -1
 ) -> tuple[Any, list[Any]]:
-    """A MimoOptimizer over two one-rank grids, inner optimizers from MCore's builder."""
+    """A MimoOptimizer over two one-rank grids, inner optimizers from MCore's builder.
+
+    The encoder grid is rank 0, the LLM grid `llm_rank` (default: the last rank).
+    """
     import torch
     from megatron.core.hyper_comm_grid import HyperCommGrid
     from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
@@ -69,7 +72,7 @@ def _build_mimo(
     dtype = torch.bfloat16 if path == "bf16" else torch.float16
 
     infos, modules = {}, []
-    for name, offset in ((ENCODER, 0), (LLM, world_size - 1)):
+    for name, offset in ((ENCODER, 0), (LLM, llm_rank % world_size)):
         grid = HyperCommGrid(
             [1, 1, 1, 1, 1], ["tp", "cp", "ep", "pp", "dp"], rank_offset=offset, backend=backend
         )

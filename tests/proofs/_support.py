@@ -89,6 +89,51 @@ class CountAllReduce:
         dist.all_reduce = self._all_reduce
 
 
+class CountHostSyncs(TorchFunctionMode):
+    """Records the calls that block the host on a CUDA tensor, delegating to the real ones.
+
+    Device-to-host reads (``item``, ``tolist``, ``bool()``, ``float()``, ``int()``, ``cpu``)
+    and blocking host-to-device copies (``torch.tensor``/``torch.as_tensor`` with a CUDA
+    ``device``, ``.cuda()``, ``.to()`` a CUDA device). Enter it inside ``CudaOnCpu`` (it must see
+    ``device='cuda'`` before the shim maps it): every tensor then stands for a CUDA one, so the
+    count bounds the syncs a GPU would make (a read of a host tensor counts too).
+    """
+
+    READS = {
+        torch.Tensor.item: "item",
+        torch.Tensor.tolist: "tolist",
+        torch.Tensor.__bool__: "bool",
+        torch.Tensor.__float__: "float",
+        torch.Tensor.__int__: "int",
+        torch.Tensor.cpu: "cpu",
+    }
+
+    def __enter__(self) -> CountHostSyncs:
+        self.calls: list[str] = []
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = self.READS.get(func)
+        if func in (torch.tensor, torch.as_tensor) and _is_cuda(kwargs.get("device")):
+            name = "h2d"
+        elif func is torch.Tensor.cuda or (
+            func is torch.Tensor.to and any(_is_cuda(a) for a in (*args[1:], kwargs.get("device")))
+        ):
+            name = "h2d"
+        if name is not None:
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, int):
+        return True  # a CUDA ordinal
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).type == "cuda"
+    return False
+
+
 WORLD_COLLECTIVES = (
     "all_reduce",
     "all_gather",
