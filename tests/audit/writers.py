@@ -152,14 +152,40 @@ class Big(torch.nn.Module):
             setattr(self, f"layer{i}", layer.to(torch.float32 if i == 3 else torch.bfloat16))
 
 
+def distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizers of what get_megatron_optimizer returned (chained or not)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def own_states(chunk, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """param name -> its own main param and moments, whatever the param index says."""
+    from _support import own_state  # noqa: PLC0415
+
+    names = {p: n for n, p in chunk.module.named_parameters()}
+    return {
+        names[p]: {k: v.detach().clone() for k, v in tensors.items()}
+        for opt in distributed_optimizers(optimizer)
+        for p, tensors in own_state(opt).items()
+    }
+
+
+def truth_file(out: Path) -> Path:
+    """Where a scenario keeps, per rank, each param's own state as saved (readers.py)."""
+    return out.parent / f"{out.name}.truth{dist.get_rank()}.pt"
+
+
 def one_step(model_fn, fmt: str, ddp: dict | None = None, args: dict | None = None, **config):
-    """A scenario: the model, one optimizer step, a save in `fmt`."""
+    """A scenario: the model, one optimizer step, a save in `fmt`. It keeps each param's own
+    state next to the checkpoint, and what readers.py needs to build the model again."""
 
     def scenario(out: Path) -> None:
         chunk, optimizer = _build(model_fn(), ddp=ddp, **config)
         _step(chunk, optimizer)
         save(chunk, optimizer, out, fmt, _args(**{"bf16": True, **(args or {})}))
+        torch.save(own_states(chunk, optimizer), truth_file(out))
 
+    scenario.build = (model_fn, ddp, config)  # type: ignore[attr-defined]
+    scenario.fmt = fmt  # type: ignore[attr-defined]
     return scenario
 
 

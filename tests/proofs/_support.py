@@ -498,9 +498,31 @@ def writer_queue_in_process() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def distopt_save(chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path, old_index=False):
+def unrecorded(state):
+    """A DistributedOptimizer's (common or sharded) state dict as MCore wrote it before it
+    recorded its param index layout: no `param_index_layout`, the sharding type a plain name.
+    Chained state (a list, or a dict of optimizers' state dicts) is handled per optimizer."""
+    if isinstance(state, list):
+        return [unrecorded(s) for s in state]
+    if not isinstance(state, dict):
+        return state
+    if "param_state_sharding_type" not in state and "optimizer" not in state:
+        return {k: unrecorded(v) for k, v in state.items()}
+    state = {k: v for k, v in state.items() if k != "param_index_layout"}
+    kind = state.get("param_state_sharding_type")
+    if isinstance(kind, dict):
+        state["param_state_sharding_type"] = kind["param_state_sharding_type"]
+    return state
+
+
+def distopt_save(
+    chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path, old_index=False, recorded=None
+):
     """Save the optimizer state in `sharding_type`; with old_index, as MCore wrote it before
-    the param-index fix (the grad-buffer-order index). Collective over the world."""
+    the param-index fix (the grad-buffer-order index). `recorded=False` (the default with
+    old_index) drops the layout record, as every version before it wrote. Collective over the
+    world."""
+    recorded = not old_index if recorded is None else recorded
     from megatron.core import dist_checkpointing
 
     writer_queue_in_process()
@@ -515,13 +537,18 @@ def distopt_save(chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path, ol
         with CudaSyncOnCpu():
             if sharding_type == "legacy":
                 common = clone_tensors(optimizer.state_dict())
-                torch.save(common, ckpt_dir / f"common{dist.get_rank()}.pt")
+                torch.save(
+                    common if recorded else unrecorded(common),
+                    ckpt_dir / f"common{dist.get_rank()}.pt",
+                )
                 for i, opt in enumerate(opts):
                     opt.save_parameter_state(str(ckpt_dir / f"param_state{i}.pt"))
             else:
                 metadata = {"distrib_optim_sharding_type": sharding_type}
                 model_sd = chunks[0].sharded_state_dict()
                 state = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
+                if not recorded:
+                    state = unrecorded(state)
                 dist_checkpointing.save({"optimizer": state}, str(ckpt_dir))
     finally:
         for opt, index in zip(opts, indexes, strict=True):
@@ -576,12 +603,18 @@ def distopt_formats(opt) -> list[str]:
 
 
 def distopt_save_if_writable(
-    dirs: CheckpointDirs, chunks, optimizer, opts, sharding_type: str, old_index=False
+    dirs: CheckpointDirs,
+    chunks,
+    optimizer,
+    opts,
+    sharding_type: str,
+    old_index: bool = False,
+    recorded: bool | None = None,
 ):
     """A new directory of `dirs` written by distopt_save; None where the format is unwritable."""
     ckpt_dir = dirs.new(sharding_type)
     try:
-        distopt_save(chunks, optimizer, opts, sharding_type, ckpt_dir, old_index=old_index)
+        distopt_save(chunks, optimizer, opts, sharding_type, ckpt_dir, old_index, recorded)
     except Exception as e:  # noqa: BLE001
         if any(reason in str(e) for reason in DISTOPT_UNWRITABLE):
             return None
