@@ -43,6 +43,7 @@ from pathlib import Path
 
 from . import git
 from .errors import UserError
+from .manifest import Baseline
 
 # Megatron-LM main's settings (pyproject.toml [tool.black], .pre-commit-config.yaml); the
 # config file is replaced so that an older baseline's `required-version` does not apply.
@@ -761,7 +762,7 @@ def lint_patches(
     return 1 if failed else 0
 
 
-def _no_upstream_tests(tree: Path, b) -> str:
+def _no_upstream_tests(tree: Path, b: Baseline) -> str:
     """Why `collect` cannot run on `b` ('' where its pristine tree has upstream's tests/)."""
     if git.ok(tree, "cat-file", "-e", "pristine:tests/unit_tests"):
         return ""
