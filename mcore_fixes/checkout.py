@@ -186,6 +186,7 @@ def apply(
             if (state / JOURNAL).exists():
                 outcome.report.insert(0, ("(recovery)", pending))
             return outcome
+        _refuse_git_locks(checkout, "apply")
         recovered = _recover(checkout, state)
         state.mkdir(exist_ok=True)
         try:
@@ -215,6 +216,7 @@ def unapply(checkout: Path) -> tuple[str, str]:
         if not os.access(path, os.W_OK):
             raise UserError(f"{path} is not writable: cannot undo the series in {checkout}")
     with sources.project_lock(gitdir, Progress(enabled=True)):
+        _refuse_git_locks(checkout, "unapply")
         _recover(checkout, gitdir / STATE_DIR)
         orig, new = _last_apply(checkout)
         touched = git.out(checkout, "diff", "--name-only", orig, new).splitlines()
@@ -229,6 +231,20 @@ def unapply(checkout: Path) -> tuple[str, str]:
         if failed:
             raise CheckFailed(f"{checkout} left unchanged: git failed: {failed}")
     return new, orig
+
+
+def _refuse_git_locks(checkout: Path, verb: str) -> None:
+    """Refuse, nothing changed, where git's lock of the index, HEAD or HEAD's branch exists: a
+    git process runs there or was killed. Never removed here: a running git's looks the same."""
+    branch = git.run(checkout, "symbolic-ref", "-q", "HEAD", check=False).stdout.strip()
+    for name in ("index", "HEAD", *([branch] if branch else [])):
+        lock = checkout / git.out(checkout, "rev-parse", "--git-path", f"{name}.lock")
+        if lock.exists():
+            raise CheckFailed(
+                f"{lock} exists: a git process in {checkout} is running or was interrupted; "
+                f"if no git process runs there, remove {lock} and run {verb} again (nothing "
+                "was changed)"
+            )
 
 
 def _move(checkout: Path, old: str, new: str, message: str) -> str:

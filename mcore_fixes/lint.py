@@ -43,6 +43,7 @@ from pathlib import Path
 
 from . import git
 from .errors import UserError
+from .manifest import Baseline
 
 # Megatron-LM main's settings (pyproject.toml [tool.black], .pre-commit-config.yaml); the
 # config file is replaced so that an older baseline's `required-version` does not apply.
@@ -719,7 +720,11 @@ def lint_patches(
             say(f"{b.name}: tools: {versions_line(fmt_python, up, own)}")
             if why:
                 say(f"{b.name}: skipped api, pylint: {why}")
-            extra = _stack_results(tree, manifest, b, cells, tests_python, no_collect)
+            no_tests = _no_upstream_tests(tree, b)
+            if no_tests:
+                say(f"{b.name}: skipped collect: {no_tests}")
+            quiet = {*(("api", "pylint") if why else ()), *(("collect",) if no_tests else ())}
+            extra = _stack_results(tree, manifest, b, cells, tests_python, no_tests or no_collect)
             formatted = _format_series(tree, cells, fmt_python)
             n_fail = n_skip = n_checks = n_commits = 0
             for cell in cells:
@@ -739,7 +744,7 @@ def lint_patches(
                                        formatted.get(cell.patch))  # fmt: skip
                 for r in [*results, *extra.get(cell.patch, [])]:
                     n_checks += 1
-                    if r.state == "skipped" and why and r.check in ("api", "pylint"):
+                    if r.state == "skipped" and r.check in quiet:
                         n_skip += 1
                         continue  # said once per baseline above
                     n_fail += r.state == "FAIL"
@@ -755,6 +760,14 @@ def lint_patches(
                 f"{n_fail} failed, {n_skip} skipped"
             )
     return 1 if failed else 0
+
+
+def _no_upstream_tests(tree: Path, b: Baseline) -> str:
+    """Why `collect` cannot run on `b` ('' where its pristine tree has upstream's tests/)."""
+    if git.ok(tree, "cat-file", "-e", "pristine:tests/unit_tests"):
+        return ""
+    where = f"the same code, --baseline {b.same_code_as}" if b.same_code_as else "a git baseline"
+    return f"a PyPI sdist has no upstream tests/ (collect them on {where})"
 
 
 def _format_series(tree: Path, cells: list, python: str | None) -> dict[str, dict[str, list[str]]]:
@@ -779,7 +792,7 @@ def _stack_results(
 ) -> dict[str, list[Result]]:
     """Per applied patch: `index`, `export`, `alone` and `collect` (mcore_fixes/stack.py)."""
     from . import stack  # noqa: PLC0415
-    from .series import has_upstream_tests, read_patch  # noqa: PLC0415
+    from .series import read_patch  # noqa: PLC0415
 
     out: dict[str, list[Result]] = {}
     series = stack.effective_series(manifest, b, cells)
@@ -789,7 +802,6 @@ def _stack_results(
     chain = stack.blob_chain(texts, None, b.is_git, owned, blobs)
     drift = stack.export_drift(tree, manifest, b, cells)
     by_id = {c.patch: c for c in cells}
-    with_tests = has_upstream_tests(tree)
     ours = {f for _, text in texts for f in git.touched_paths(text)}
     for pid, _ in series:
         found = chain.get(pid, [])
@@ -822,7 +834,7 @@ def _stack_results(
             if unbound
             else Result("names", "ok", f"{n_py} file(s) compile, no unbound global name")
         )
-        tests = stack.patch_tests(manifest, by_id[a.patch]) if with_tests else []
+        tests = stack.patch_tests(manifest, by_id[a.patch])
         if not tests:
             continue
         if no_collect:

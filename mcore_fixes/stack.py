@@ -368,6 +368,8 @@ def collect(
     (`series_paths`: the paths its patches touch) makes."""
     from .prove import pytest_command  # noqa: PLC0415
 
+    if not git.ok(tree, "cat-file", "-e", f"{tree_object}:tests/unit_tests"):
+        return None, "this tree has no upstream tests/unit_tests/ to collect them in"
     archive = subprocess.run(
         [git.git_exe(), "-C", str(tree), "archive", tree_object, "megatron", "tests/unit_tests"],
         capture_output=True,

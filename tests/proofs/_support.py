@@ -19,11 +19,13 @@ import itertools
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import shutil
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -283,8 +285,22 @@ def run_world(
             p.start()
     finally:
         gc.unfreeze()
-    for p in procs:
-        p.join(timeout)
+    # A rank that exits without every case run died (an import error before the rendezvous,
+    # a crash): the others would wait for it until the timeout, so they are stopped at once.
+    pending = {p.sentinel: (r, p) for r, p in enumerate(procs)}
+    deadline = time.monotonic() + timeout
+    first: tuple[int, str] | None = None  # the rank that died first, its error
+    while pending and first is None:
+        ready = multiprocessing.connection.wait(list(pending), deadline - time.monotonic())
+        if not ready:
+            break  # the timeout: the ranks still running are killed below
+        for sentinel in ready:
+            rank, p = pending.pop(sentinel)
+            p.join()
+            path = out / f"rank{rank}.json"
+            got = json.loads(path.read_text()) if path.exists() else {}
+            if first is None and (p.exitcode or "<world>" in got or cases.keys() - got.keys()):
+                first = rank, got.get("<world>", f"exit code {p.exitcode} before every case ran")
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -292,7 +308,11 @@ def run_world(
     results = []
     for rank in range(world_size):
         path = out / f"rank{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {"<world>": "no result"})
+        got = json.loads(path.read_text()) if path.exists() else {"<world>": "no result"}
+        if first and rank != first[0] and ("<world>" in got or cases.keys() - got.keys()):
+            own = got.get("<world>", "stopped")
+            got = {"<world>": f"rank {first[0]} died first:\n{first[1]}\n(this rank: {own})"}
+        results.append(got)
     return results
 
 

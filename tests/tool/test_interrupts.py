@@ -228,6 +228,31 @@ def test_status_killed_inside_a_tree_recovers(world, project, tmp_path):
     assert not list((tree / ".git").glob("*.lock"))
 
 
+def test_apply_after_git_was_killed_holding_the_index_lock(world, project, tmp_path):
+    """git killed inside `read-tree -m -u` leaves .git/index.lock: the next apply names it in one
+    line and changes nothing (a running git's lock looks the same: never removed by the tool)."""
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    env = wrapped_env(tmp_path, "read-tree -m -u")
+    proc = start(project, "apply", co, env=env)
+    wait_reached(env, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    lock = co / ".git" / "index.lock"
+    lock.write_text("")  # what git leaves when killed while writing the index
+    before = snapshot(co)
+    for verb in ("apply", "unapply"):
+        r = run_module(project, verb, co)
+        assert r.rc == 1, r.out + r.err
+        assert len(r.err.strip().splitlines()) == 1, r.err
+        assert "a git process" in r.err and f"remove {lock}" in r.err, r.err
+        assert lock.exists() and snapshot(co) == before
+    lock.unlink()
+    r = run_module(project, "apply", co)
+    assert r.rc == 0, r.err
+    assert count(co) == 3 and git(co, "status", "--porcelain").strip() == ""
+    assert not state_dir(co).exists()
+
+
 def test_apply_after_a_kill_while_writing_the_journal(world, project, tmp_path):
     co = world.clone(tmp_path / "co", "core_v0.1.0")
     state = state_dir(co)

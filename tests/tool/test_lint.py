@@ -197,3 +197,22 @@ def test_per_commit_checks_with_a_checkout(world, project, tool, tmp_path) -> No
     ok = "pylint    ok  1 file(s); 1 on upstream's own lines (not counted)"
     assert f"core_v0.1.1  fix-mean                   {ok}" in lines
     assert res.rc == 1
+
+
+@pytest.mark.skipif(not _has("torch", "pytest"), reason="needs an interpreter with torch")
+def test_a_pypi_baseline_skips_collect_in_one_line(world, project, tool, tmp_path) -> None:
+    # weak-test also edits upstream's test_basic.py, which the sdist lacks: on 0.1.0 its tests
+    # are left out, while fix-mean's new test file gives the patched tree a tests/unit_tests/
+    from toolworld import FORMAT_PATCH, PATCH_FILES, commit_all, git, write
+
+    repo = world.clone(tmp_path / "mlm", "core_v0.1.0")
+    write(repo, "megatron/core/constants.py", "ANSWER = 42\n")
+    write(repo, "tests/unit_tests/test_basic.py", "def test_basic():\n    assert True\n")
+    commit_all(repo, "Add constants module\n\nWhy, in a paragraph.\n")
+    (project / "patches" / PATCH_FILES["weak-test"]).write_text(git(repo, *FORMAT_PATCH))
+    res = tool(project, "lint-patches", "--baseline", "0.1.0", "--python", sys.executable)
+    assert "Traceback" not in res.err, res.err
+    why = "0.1.0: skipped collect: a PyPI sdist has no upstream tests/ (collect them on a git "
+    assert why in res.out, res.out
+    assert " collect " not in res.out  # no row per patch: said once
+    assert "0.1.0: 3 commit(s), 30 checks:" in res.out

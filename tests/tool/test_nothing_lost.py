@@ -277,11 +277,14 @@ def test_apply_killed_while_git_writes_the_files_is_undone_by_the_next_run(
     proc.wait()
     assert (co / "megatron/core/constants.py").exists()  # git had written some files
     git(co, "config", "--unset", "filter.slow.smudge")
-    r = run_module(project, "apply", co)  # undone; git's index.lock of the killed git stays
-    assert r.rc == 1 and "an interrupted apply was undone; then: " in one_line(r.err)
-    assert "left unchanged" in r.err and "index.lock" in r.err
+    killed = snapshot(co)
+    r = run_module(project, "apply", co)  # git's index.lock of the killed git stays: refused
+    assert r.rc == 1 and "a git process" in one_line(r.err) and "index.lock" in r.err
+    assert snapshot(co) == killed  # nothing undone under a lock a running git may hold
+    (co / ".git/index.lock").unlink()  # as it says: remove it if no git runs there
+    r = run_module(project, "unapply", co)  # undone first, then nothing to unapply
+    assert r.rc == 1 and "nothing to undo" in r.err
     assert snapshot(co)["files"] == before["files"]
-    (co / ".git/index.lock").unlink()  # as git says: remove it if no git runs there
     r = run_module(project, "apply", co, "--no-commit")
     assert r.rc == 0, r.err
     r = run_module(project, "apply", co)
