@@ -163,12 +163,43 @@ def markdown(manifest: Manifest, cells: list[Cell]) -> str:
     )
     legend = "; ".join(f"`{c}` {text}" for text, c in codes.items())
     lines += ["", *_wrap(f"Cells: {legend}.")]
-    notes = _notes(cells)
+    notes = _md_notes(cells)
     if notes:
         lines.append("")
         for n in notes:
             lines += _wrap(n, "- ", "  ")
     return "\n".join(lines)
+
+
+_FINE = ("proven", "fixed-upstream", "applied-upstream")  # verdicts the codes say in full
+
+
+def _md_notes(cells: list[Cell]) -> list[str]:
+    """The notes of the Markdown matrix: one per patch and reason (a patch absent from six
+    baselines for one reason is one note), and the proof counts only of flagged cells (all of
+    them: the terminal table and --json)."""
+    why: dict[tuple[str, str, str], list[str]] = {}
+    for c in cells:
+        if c.detail and c.state not in ("applies", "skipped"):
+            why.setdefault((c.patch, c.state, c.detail), []).append(c.baseline)
+    notes = [f"`{p}` {state} on {', '.join(bs)}: {d}" for (p, state, d), bs in why.items()]
+    for c in cells:
+        b, a = c.proof.get("before"), c.proof.get("after")
+        if not b or c.proof.get("verdict") in _FINE:
+            continue
+        if a:
+            notes.append(
+                f"{c.baseline} / {c.patch}: unpatched {b['outcome']} ({b['summary']}); "
+                f"patched {a['outcome']} ({a['summary']})"
+            )
+        else:
+            notes.append(f"{c.baseline} / {c.patch}: proof without the patch: {b['summary']}")
+    skipped = {c.detail for c in cells if c.state == "skipped"}
+    if len(skipped) == 1:  # one reason (no checkout) for many cells: said once
+        return [*notes, f"skipped: {skipped.pop()}"]
+    return notes + [
+        f"{c.baseline} / {c.patch}: skipped: {c.detail}" for c in cells if c.detail in skipped
+    ]
 
 
 def variants_text(kinds: list) -> str:

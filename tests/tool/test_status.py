@@ -90,7 +90,7 @@ def test_status_markdown(world, project, tool):
     assert lines[3] == ""
     assert "| 2      | `join-sep`  | 2   |" in lines
     assert "Cells: `u` applied-upstream; `C` conflict; `a` applies." in lines
-    assert any(ln.startswith("- core_v0.3.0 / join-sep: conflict:") for ln in lines)
+    assert any(ln.startswith("- `join-sep` conflict on core_v0.3.0: ") for ln in lines)
 
 
 def test_status_markdown_fits_100_columns(world, project, tool):
