@@ -25,7 +25,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 NAMED = re.compile(r"(?<![\w/.])(?:bench|docs|tests|patches|mcore_fixes)/[\w./{},-]*\.[a-z]{1,5}\b")
 INTERNAL = re.compile(
     r"\bsessions? \d+|\bthis stop\b|\bissues? \d+|\(issues? \d|\brun\(command=|carry=\["
-    r"|DESIGN\.md|\.\./shared|device call|\bworkplace\b",
+    r"|DESIGN\.md|\.\./shared|device call|\bworkplace\b|\bhelper (?:session|call)",
     re.IGNORECASE,
 )
 
@@ -91,3 +91,20 @@ def test_no_internal_vocabulary_where_users_read():
         for m in INTERNAL.finditer(line)
     ]
     assert found == []
+
+
+def test_readme_names_the_test_command_and_the_maintainers_guide():
+    readme = (MAIN / "README.md").read_text(encoding="utf-8")
+    assert "\n    python3 -m pip install nox uv && nox\n" in readme  # what .ci/run runs
+    assert "](docs/maintainers.md)" in readme
+
+
+def test_the_status_matrix_in_the_docs_fits_100_columns():
+    blocks = 0
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for block in re.findall(r"<!-- status:begin -->\n(.*?)<!-- status:end -->", text, re.S):
+            blocks += 1
+            wide = [ln for ln in block.splitlines() if len(ln) > 100]
+            assert wide == [], f"{doc.relative_to(MAIN)}: {wide[0][:60]}..."
+    assert blocks == 1

@@ -61,7 +61,9 @@ def test_prove_flags_test_that_passes_unpatched(project, tool):
         "--markdown",
     )
     assert r.rc == 1
-    assert "| 0.1.0 | applies | applies | applies, TEST PASSES UNPATCHED |" in r.out
+    assert "| 0.1.0    | a | a | !1 |" in r.out.splitlines()
+    assert "`!1` applies, TEST PASSES UNPATCHED" in r.out
+    assert "\n- 0.1.0 / weak-test: unpatched passed (" in r.out  # a flagged cell's counts
     store = json.loads((project / "build/proofs/0.1.0.json").read_text())
     assert store["weak-test"]["verdict"] == "passes-unpatched"
 

@@ -83,11 +83,28 @@ def test_status_markdown(world, project, tool):
     )
     assert r.rc == 0, r.err
     lines = r.out.splitlines()
-    assert lines[0] == "| baseline | fix-mean (fix 1) | join-sep (fix 2) | weak-test (fix 3) |"
-    assert lines[1] == "|---|---|---|---|"
-    assert lines[2] == "| core_v0.3.0 | applied-upstream | conflict | applies |"
-    assert len([ln for ln in lines if ln.startswith("|")]) == 3
-    assert any(ln.startswith("- core_v0.3.0 / join-sep: conflict:") for ln in lines)
+    # One short column per patch (its file's number), a code per cell, then what they mean.
+    assert lines[0] == "| baseline    | 1 | 2 | 3 |"
+    assert lines[1] == "|-------------|---|---|---|"
+    assert lines[2] == "| core_v0.3.0 | u | C | a |"
+    assert lines[3] == ""
+    assert "| 2      | `join-sep`  | 2   |" in lines
+    assert "Cells: `u` applied-upstream; `C` conflict; `a` applies." in lines
+    assert any(ln.startswith("- `join-sep` conflict on core_v0.3.0: ") for ln in lines)
+
+
+def test_status_markdown_fits_100_columns(world, project, tool):
+    r = tool(project, "status", "--markdown", "--mcore-repo", world.upstream)
+    assert r.rc == 0, r.err
+    assert max(len(ln) for ln in r.out.splitlines()) <= 100
+    grid = r.out.split("\n\n")[0].splitlines()
+    assert [ln.split("|")[1].strip() for ln in grid[2:]] == [
+        "0.1.0",
+        "core_v0.1.1",
+        "core_v0.2.0",
+        "core_v0.3.0",
+    ]
+    assert grid[3].split("|")[2:-1] == [" a ", " a ", " - "]  # weak-test absent in 0.1.1
 
 
 def test_status_git_baselines_skipped_without_checkout(world, tool, tmp_path, monkeypatch):
