@@ -271,7 +271,12 @@ WORLDS = {
     "dp2": (
         2,
         init_data_parallel,
-        {**RECORDED, "same_collectives_on_every_rank": case_same_collectives_on_every_rank},
+        {
+            "recorded_checkpoint_loads_exactly_without_check": (
+                case_recorded_checkpoint_loads_exactly_without_check
+            ),
+            "same_collectives_on_every_rank": case_same_collectives_on_every_rank,
+        },
     ),
     "2ranks-dp1": (2, init_data_parallel_of_one, UNRECORDED),
 }
