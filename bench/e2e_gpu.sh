@@ -25,7 +25,7 @@
 #      B: dense, an fp32 final LayerNorm (computing in fp32, returning bf16) among norm params
 #      of equal size (--disable-bias-linear): pristine can save it (with other params' state),
 #      and its checkpoint is resumed on the fork too (the old-checkpoint path), and on the fork
-#      with distopt-old-checkpoint reverted (what the resume owes to that patch),
+#      with distopt-index-layout reverted (what the resume owes to that patch),
 #      C: control without fp32 params
 #   3  bf16 Megatron-FSDP v1 + --use-precision-aware-optimizer (TE FusedAdam), the DDP
 #      decoupled-grad flag left at its default, vs the same model under DDP
@@ -63,11 +63,11 @@ cp -a "$work/pristine" "$work/fork"
 ) || exit
 python3 -m mcore_fixes apply "$work/fork" --baseline main || exit
 git -C "$work/fork" log --format='%h %s' | tee "$out/e2e-series.txt"
-# noconv: the fork with distopt-old-checkpoint reverted (found by its patch's subject)
+# noconv: the fork with distopt-index-layout reverted (found by its patch's subject)
 cp -a "$work/fork" "$work/noconv"
 subject=$(python3 -c 'import email, sys
 print(" ".join(email.message_from_file(open(sys.argv[1]))["Subject"].split()).removeprefix("[PATCH] "))' \
-    patches/*-distopt-old-checkpoint.patch) || exit
+    patches/*-distopt-index-layout.patch) || exit
 sha=$(git -C "$work/noconv" log --format='%H %s' | awk -v s="$subject" 'substr($0, 42) == s {print $1}')
 [ -n "$sha" ] || { echo "no commit '$subject' in the fork" >&2; exit 1; }
 git -C "$work/noconv" -c user.name=e2e -c user.email=e2e@localhost revert --no-edit "$sha" >/dev/null || exit
@@ -155,7 +155,7 @@ for tree in pristine fork; do
         # shellcheck disable=SC2046
         [ $tree = pristine ] && launch "s2b-$fmt-fork-from-pristine" fork "$fp32ln" \
             --disable-bias-linear "${dist[@]}" "${extra[@]}" $(resume_args "b-$fmt-pristine")
-        # the same on the fork without distopt-old-checkpoint
+        # the same on the fork without distopt-index-layout
         # shellcheck disable=SC2046
         [ $tree = pristine ] && launch "s2b-$fmt-noconv-from-pristine" noconv "$fp32ln" \
             --disable-bias-linear "${dist[@]}" "${extra[@]}" $(resume_args "b-$fmt-pristine")

@@ -8,7 +8,7 @@ OUT/e2e-scaler.png, OUT/e2e-resume.png and OUT/e2e-fsdp.png. It states what it m
 it asserts nothing. Verdicts: "bug shown" (pristine shows the bug the scenario targets), "ok"
 (the expected healthy behaviour), "WRONG" (a fork or control row that is not healthy), "NO
 RESULT" (the run could not measure it), "NOT CONVERTED" (a pristine-written checkpoint resumed
-on the fork with other params' state), "NOT EXERCISED" (the fork without distopt-old-checkpoint
+on the fork with other params' state), "NOT EXERCISED" (the fork without distopt-index-layout
 resumed that checkpoint exactly too: the conversion was not needed).
 """
 
@@ -189,7 +189,7 @@ def scenario2(runs: Runs, save: int) -> list[list[str]]:
             verdict = {"EXACT": "NOT EXERCISED", "DIFFERS": "bug shown"}.get(
                 what.split(":")[0], "NO RESULT"
             )
-            tree = "resumed on fork without distopt-old-checkpoint"
+            tree = "resumed on fork without distopt-index-layout"
             rows.append([f"2B pristine-written {label} checkpoint", tree, verdict, what])
     for tree in ("pristine", "fork"):
         name = f"s2c-dp-{tree}"

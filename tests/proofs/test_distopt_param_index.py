@@ -6,7 +6,7 @@ grad-buffer order, so where a 16-bit buffer precedes an fp32 one (an fp32 child 
 a bf16 one; VPP chunks) every state save and load path reads and writes other params' shards.
 The fix is upstream's dev fix #5835: the index rebuilt from the builder's own groups (the cases
 pass on dev). Checkpoints written with the old index are converted on load by patch
-distopt-old-checkpoint (test_distopt_old_checkpoint.py).
+distopt-index-layout (test_distopt_index_layout.py).
 
 Real objects: DistributedDataParallel, get_megatron_optimizer (torch Adam), the
 DistributedOptimizer constructor and its save/load paths, in forked gloo worlds of 1 and 2
