@@ -7,7 +7,7 @@ from pathlib import Path
 
 from toolworld import FORMAT_PATCH, commit_all, git, write
 
-from mcore_fixes import stack
+from mcore_fixes import manifest, stack
 
 
 def _section(path: str, pre: str, post: str) -> str:
@@ -169,3 +169,15 @@ def test_prove_alone(project, tool) -> None:
     res = tool(project, "prove", "--alone", "--baseline", "0.1.0", "--patch", "mean-doc")
     assert res.rc == 1
     assert '"verdict": "not-alone"' in (project / "build/proofs/0.1.0.alone.json").read_text()
+
+
+def test_without_a_tree_the_chain_leaves_out_what_the_branch_already_has() -> None:
+    """On main (no tree at hand), the upstream commits carried from main are in the base, not
+    stacked: their files' index lines are upstream's, not links of the series' chain."""
+    m = manifest.load(Path(__file__).resolve().parents[2] / "patches" / "manifest.toml")
+    carried = {p.id for p in m.patches if "main" in p.upstream_branches}
+    assert carried, "the series carries upstream commits from main"
+    on_main = {pid for pid, _ in stack.effective_series(m, m.baseline("main"), None)}
+    on_tag = {pid for pid, _ in stack.effective_series(m, m.baseline("core_v0.19.0"), None)}
+    assert not carried & on_main
+    assert carried - set(m.baseline("core_v0.19.0").absent) <= on_tag
