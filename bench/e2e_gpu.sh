@@ -159,6 +159,11 @@ for tree in pristine fork; do
         # shellcheck disable=SC2046
         [ $tree = pristine ] && launch "s2b-$fmt-noconv-from-pristine" noconv "$fp32ln" \
             --disable-bias-linear "${dist[@]}" "${extra[@]}" $(resume_args "b-$fmt-pristine")
+        # the other way: the checkpoint the fork wrote, resumed on pristine (going back to
+        # upstream): it must load exactly or fail with an error, never permuted
+        # shellcheck disable=SC2046
+        [ $tree = fork ] && launch "s2b-$fmt-pristine-from-fork" pristine "$fp32ln" \
+            --disable-bias-linear "${dist[@]}" "${extra[@]}" $(resume_args "b-$fmt-fork")
     done
     # shellcheck disable=SC2046
     launch "s2c-dp-$tree-resumed" $tree "" "${dist[@]}" $(resume_args "c-dp-$tree")

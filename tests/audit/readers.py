@@ -32,6 +32,7 @@ from writers import (  # noqa: E402
     _build,
     _init_data_parallel,
     _step,
+    dist_metadata,
     own_states,
     truth_file,
 )
@@ -48,11 +49,7 @@ def _load(chunk, optimizer, ckpt: Path, fmt: str) -> None:
         optimizer.load_state_dict(state["optimizer"])
         optimizer.load_parameter_state(str(iteration / "mp_rank_00" / "distrib_optim.pt"))
         return
-    metadata = {
-        "distrib_optim_sharding_type": fmt,
-        "singleton_local_shards": False,
-        "chained_optim_avoid_prefix": True,
-    }
+    metadata = dist_metadata(fmt)
     model_sd = chunk.sharded_state_dict()
     request = {
         "model": model_sd,

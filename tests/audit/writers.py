@@ -83,6 +83,15 @@ def _dist_save(state: dict, ckpt_dir: Path) -> None:
         dist_checkpointing.save(state, str(ckpt_dir))
 
 
+def dist_metadata(fmt: str) -> dict:
+    """The sharded-state-dict metadata megatron/training passes for `fmt` (save and load)."""
+    return {
+        "distrib_optim_sharding_type": fmt,
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+    }
+
+
 def save(chunk, optimizer, out: Path, fmt: str, args: argparse.Namespace) -> None:
     """Save as megatron/training does, in `fmt` (a distributed optimizer sharding type, or
     "legacy"). Collective over the world."""
@@ -102,11 +111,7 @@ def save(chunk, optimizer, out: Path, fmt: str, args: argparse.Namespace) -> Non
         optimizer.save_parameter_state(str(rank_dir / "distrib_optim.pt"))
         dist.barrier()
         return
-    metadata = {
-        "distrib_optim_sharding_type": fmt,
-        "singleton_local_shards": False,
-        "chained_optim_avoid_prefix": True,
-    }
+    metadata = dist_metadata(fmt)
     model_sd = chunk.sharded_state_dict()
     state = {
         "args": args,
