@@ -491,9 +491,25 @@ class Result:
     problems: tuple[str, ...] = ()
 
 
+def drop_stale_griffe_worktrees(tree: Path) -> None:
+    """Upstream's API checker (griffe) checks the baseline out in a worktree on a branch
+    `griffe-<sha>` of `tree` and removes both when it is done; a run killed in between leaves
+    them, and the next check of that commit fails ("a branch named ... already exists"). `tree`
+    is the tool's own: drop them."""
+    for block in git.out(tree, "worktree", "list", "--porcelain").split("\n\n"):
+        fields = dict(line.split(" ", 1) for line in block.splitlines() if " " in line)
+        if fields.get("branch", "").startswith("refs/heads/griffe-"):
+            git.run(tree, "worktree", "remove", "--force", fields["worktree"], check=False)
+    git.run(tree, "worktree", "prune")
+    stale = git.out(tree, "for-each-ref", "--format=%(refname:short)", "refs/heads/griffe-*")
+    for branch in stale.split():
+        git.run(tree, "branch", "-D", branch)
+
+
 def _api(tree: Path, parent: str, commit: str, up: Upstream, python: str) -> Result:
     if up.script is None:
         return Result("api", "skipped", f"the checkout has no {API_SCRIPT} at {up.commit[:10]}")
+    drop_stale_griffe_worktrees(tree)
     cmd = [python, str(up.script), "--baseline", parent, "--current", commit]
     proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
     text = _ANSI.sub("", proc.stdout + proc.stderr)

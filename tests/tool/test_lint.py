@@ -216,3 +216,21 @@ def test_a_pypi_baseline_skips_collect_in_one_line(world, project, tool, tmp_pat
     assert why in res.out, res.out
     assert " collect " not in res.out  # no row per patch: said once
     assert "0.1.0: 3 commit(s), 30 checks:" in res.out
+
+
+def test_a_griffe_worktree_left_by_a_killed_api_check_is_dropped(tmp_path: Path) -> None:
+    """A lint run killed during upstream's API check leaves griffe's worktree and branch in the
+    tool's tree; the next check of that commit must not fail on them."""
+    from toolworld import commit_all, git, write
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    git(tree, "init", "-q")
+    write(tree, "a.py", "x = 1\n")
+    sha = commit_all(tree, "one")
+    git(tree, "worktree", "add", "-q", "-b", f"griffe-{sha}", str(tmp_path / "wt"), sha)
+    git(tree, "branch", f"griffe-{'0' * 40}", sha)  # its worktree already gone
+    lint.drop_stale_griffe_worktrees(tree)
+    assert git(tree, "branch", "--list", "griffe-*").strip() == ""
+    assert not (tmp_path / "wt").exists()
+    git(tree, "worktree", "add", "-q", "-b", f"griffe-{sha}", str(tmp_path / "wt"), sha)
