@@ -23,6 +23,7 @@ per 64 elements, 80 MiB at most), whatever the checkpoint's size.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ MAIN_KEYS = ("param", "fp32_param")  # the main (fp32) param among the saved sta
 # where an earlier version's index would misread the checkpoint: that version then fails.
 GUARDED = ("param_state_sharding_type", "per_bucket_numel_unpadded", "numel_unpadded")
 SHOWN = 4  # params named in a text line; --json lists all
+# What values of a kind Megatron never writes raise where a check meets them
+MALFORMED = (RecursionError, ValueError, OverflowError, TypeError, AttributeError, LookupError)
 
 _MODEL_SPACE = re.compile(r"^(?P<opt>.*?)optimizer\.state\.(?P<state>[^.]+)\.(?P<key>.+)$")
 _BUFFER_SPACE = re.compile(
@@ -66,6 +69,8 @@ _BUFFER_SPACE = re.compile(
     r"\.dtype_(?P<dtype>.+)\.bucket_idx_(?P<b>\d+)\.(?P<state>[^.]+)$"
 )
 _DTYPE_NAME = re.compile(r"torch\.(\w+)")
+_ITERATION = re.compile(r"[0-9]{1,12}")  # ASCII digits: what megatron/training writes
+TRACKER_MAX = 64  # bytes of the tracker file
 
 
 # --- what a checkpoint holds ------------------------------------------------------------
@@ -216,7 +221,7 @@ def _dist_view(files: Files, root: Path) -> View:
     for where, obj in view.objects:
         if where in ("common_state", "common.pt"):
             it = _first(obj, "iteration")
-            view.iteration = it if isinstance(it, int) else view.iteration
+            view.iteration = _iteration(it, where) if isinstance(it, int) else view.iteration
     return view
 
 
@@ -232,10 +237,10 @@ def _legacy_view(files: Files, root: Path, ranks: list[Path]) -> View:
             raise BadCheckpoint(f"{model_file}: not a Megatron checkpoint (no state dict)")
         view.objects.append((f"{label}/model_optim_rng.pt", obj))
         if isinstance(obj.get("iteration"), int):
-            view.iteration = obj["iteration"]
+            view.iteration = _iteration(obj["iteration"], model_file)
         chunks = [k for k in obj if isinstance(k, str) and re.fullmatch(r"model\d*", k)]
         for chunk in chunks:
-            for key, tensor in (obj[chunk] or {}).items():
+            for key, tensor in (obj[chunk] if isinstance(obj[chunk], dict) else {}).items():
                 if isinstance(tensor, LazyTensor) and tensor.dtype in FLOATS:
                     prefix = f"{chunk}." if len(chunks) > 1 else ""
                     name = f"{label}:{prefix}{key}"
@@ -266,8 +271,16 @@ def _first(obj: Any, key: str) -> Any:
     return None
 
 
+def _iteration(value: int, where: Any) -> int:
+    """A saved iteration number, refused where no run could have reached it."""
+    if not 0 <= value < 10**12:
+        raise BadCheckpoint(f"{where}: its iteration is not an iteration number (out of range)")
+    return value
+
+
 def _iteration_dirs(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
+    found = [p for p in root.glob("iter_*") if _ITERATION.fullmatch(p.name[5:]) and p.is_dir()]
+    return sorted(found)
 
 
 def resolve(path: Path) -> tuple[Path, str]:
@@ -278,13 +291,17 @@ def resolve(path: Path) -> tuple[Path, str]:
         raise UserError(f"{path} is a file: give the checkpoint directory (the one holding it)")
     tracker = path / TRACKER
     if tracker.is_file():
+        files = Files(path)
         try:
-            text = tracker.read_text().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"{tracker}: cannot read it ({exc})") from None
-        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else ""
+            text = files.read(tracker, TRACKER_MAX).decode("utf-8", "replace").strip()
+        finally:
+            files.close()
+        number = _ITERATION.fullmatch(text)
+        name = "release" if text == "release" else f"iter_{int(text):07d}" if number else ""
         if not name:
-            raise UserError(f"{tracker}: expected an iteration number or 'release', got {text!r}")
+            raise UserError(
+                f"{tracker}: expected an iteration number or 'release', got {text[:40]!r}"
+            )
         target = path / name
         if not target.is_dir():
             raise UserError(f"{tracker} names {name}, which is not in {path}")
@@ -307,6 +324,7 @@ def _is_iteration(path: Path) -> bool:
 
 def read_view(path: Path, files: Files) -> View:
     root, note = resolve(path)
+    files.root = root  # every file read is inside it
     if not any(root.iterdir()):
         raise UserError(f"{root} is empty: not a Megatron checkpoint")
     if (
@@ -316,7 +334,8 @@ def read_view(path: Path, files: Files) -> View:
     ):
         if not (root / ".metadata").exists():
             raise BadCheckpoint(f"{root} has no .metadata: the save did not finish (truncated)")
-        backend = _read_json(root / "metadata.json").get("sharded_backend", "torch_dist")
+        backend = _read_json(files, root / "metadata.json").get("sharded_backend", "torch_dist")
+        backend = backend[:40] if isinstance(backend, str) else type(backend).__name__
         if backend != "torch_dist":
             raise UserError(f"{root}: a {backend} checkpoint; audit reads torch_dist and torch")
         view = _dist_view(files, root)
@@ -329,18 +348,20 @@ def read_view(path: Path, files: Files) -> View:
             f"{root} is not a Megatron checkpoint (no .metadata of torch_dist, no "
             f"mp_rank_*/model_optim_rng.pt, no {TRACKER})"
         )
-    if view.iteration is None and root.name.startswith("iter_") and root.name[5:].isdigit():
-        view.iteration = int(root.name[5:])
+    if view.iteration is None and _ITERATION.fullmatch(root.name.removeprefix("iter_")):
+        view.iteration = int(root.name.removeprefix("iter_"))
     view.note = note
     return view
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(files: Files, path: Path) -> dict:
     import json
 
+    if not path.exists():
+        return {}
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = json.loads(files.read(path, 1 << 20))
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -380,7 +401,7 @@ def _names(items: list[str], shown: int = SHOWN) -> str:
 
 def _where(where: str, path: tuple) -> str:
     """A readable place: the item or file, then the keys down to the value."""
-    keys = ".".join(map(str, path))
+    keys = ".".join(map(_key, path))
     if where in ("common_state", "common.pt"):
         return keys or "(top level)"
     if where.endswith(".pt"):
@@ -388,12 +409,48 @@ def _where(where: str, path: tuple) -> str:
     return f"{where}.{keys}" if keys else where
 
 
+def _key(key: Any, depth: int = 0) -> str:
+    """A key of a saved dict, for a message: as Python prints it, where it is a string, a
+    number or a short tuple of them; else its type."""
+    if isinstance(key, str):
+        return repr(str(key)) if depth else key
+    if key is None or isinstance(key, float) or (isinstance(key, int) and abs(key) < 2**64):
+        return str(key)
+    if isinstance(key, tuple) and depth < 4 and len(key) <= 16:
+        return f"({', '.join(_key(k, depth + 1) for k in key)}{',' * (len(key) == 1)})"
+    return f"<{type(key).__name__}>"
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    """`value` as JSON carries it: NaN and infinities as the strings "NaN", "Infinity" and
+    "-Infinity", what JSON has no type for by its type's name."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int) and abs(value) < 2**63:
+        return value
+    if isinstance(value, dict) and depth < 8:
+        return {_key(k): plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and depth < 8:
+        return [plain(v, depth + 1) for v in value]
+    return f"<{type(value).__name__}>"
+
+
 def _scale_value(value: Any) -> float | None:
     if isinstance(value, LazyTensor):
-        return value.item()
-    if isinstance(value, (int, float)):
+        return value.item() if value.numel >= 1 else None
+    if isinstance(value, float) or (isinstance(value, int) and abs(value) < 2**64):
         return float(value)
     return None
+
+
+def _tracker_value(value: Any) -> int | None:
+    """A scaler's growth or hysteresis tracker as an int (None: not a count)."""
+    number = _scale_value(value)
+    return int(number) if number is not None and math.isfinite(number) else None
 
 
 def _grad_scalers(view: View) -> list[tuple[str, tuple[float, int, int]]]:
@@ -403,13 +460,12 @@ def _grad_scalers(view: View) -> list[tuple[str, tuple[float, int, int]]]:
             if isinstance(value, dict) and {"scale", "growth_tracker", "hysteresis_tracker"} <= set(
                 value
             ):
-                scale, growth, hysteresis = (
-                    _scale_value(value[k])
-                    for k in ("scale", "growth_tracker", "hysteresis_tracker")
-                )
+                scale = _scale_value(value["scale"])
+                growth = _tracker_value(value["growth_tracker"])
+                hysteresis = _tracker_value(value["hysteresis_tracker"])
                 if scale is None or growth is None or hysteresis is None:
                     continue
-                state = (scale, int(growth), int(hysteresis))
+                state = (scale, growth, hysteresis)
                 found.append((_where(where, path), state))
     return found
 
@@ -889,14 +945,17 @@ class Report:
             yield v.line()
 
     def as_json(self) -> dict:
-        return {
-            "checkpoint": str(self.path),
-            "format": self.kind,
-            "iteration": self.iteration,
-            "note": self.note,
-            "checks": [v.as_json() for v in self.verdicts],
-            "damaged": self.exit_code == 1,
-        }
+        """The report as JSON carries it (`plain`)."""
+        return plain(
+            {
+                "checkpoint": str(self.path),
+                "format": self.kind,
+                "iteration": self.iteration,
+                "note": self.note,
+                "checks": [v.as_json() for v in self.verdicts],
+                "damaged": self.exit_code == 1,
+            }
+        )
 
 
 def audit(path: Path) -> Report:
@@ -907,5 +966,8 @@ def audit(path: Path) -> Report:
         a = Audit(view)
         verdicts = [check_loss_scale(view), check_param_index(a), check_reshard_padding(a)]
         return Report(view.path, view.kind, view.iteration, view.note, verdicts)
+    except MALFORMED as exc:  # met past the reader's checks: still one line
+        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        raise BadCheckpoint(f"{path}: not a checkpoint Megatron writes ({why})") from None
     finally:
         files.close()

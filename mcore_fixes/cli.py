@@ -462,12 +462,18 @@ def cmd_audit(args: argparse.Namespace) -> int:
             "audit reads checkpoints with numpy: install it (pip install numpy)"
         ) from None
 
-    report = audit.audit(Path(args.checkpoint))
+    try:
+        report = audit.audit(Path(args.checkpoint))
+    except UserError as exc:  # --json: JSON still, with the one line (also on stderr)
+        if args.json:
+            print(json.dumps({"checkpoint": args.checkpoint, "error": str(exc)}, indent=1))
+        raise
     if args.json:
-        print(json.dumps(report.as_json(), indent=1))
+        print(json.dumps(report.as_json(), indent=1, allow_nan=False))
     else:
-        for line in report.text():
-            print(line)
+        encoding = sys.stdout.encoding or "utf-8"
+        for line in report.text():  # names from the files may not be encodable here
+            print(line.encode(encoding, "backslashreplace").decode(encoding))
     return report.exit_code
 
 
