@@ -187,7 +187,7 @@ def apply(
                 outcome.report.insert(0, ("(recovery)", pending))
             return outcome
         _refuse_git_locks(checkout, "apply")
-        recovered = _recover(checkout, state)
+        recovered, _ = _recover(checkout, state)
         state.mkdir(exist_ok=True)
         try:
             outcome = _apply(manifest, checkout, b, commit, state, {})
@@ -203,13 +203,21 @@ def apply(
     return outcome
 
 
-def unapply(checkout: Path) -> tuple[str, str]:
-    """Move HEAD back to where the last `apply` found it; return (HEAD before it, after it).
+class NothingToUndo(CheckFailed):
+    """HEAD's reflog holds no `apply` that `unapply` could undo."""
 
-    The commit `apply` started from is in HEAD's reflog (its message APPLY_REFLOG). Refused,
-    nothing changed, unless HEAD is still the commit `apply` made. The checkout moves as
-    `apply` moved it (`read-tree -m -u`, `update-ref`): files the series changed must be
-    unmodified, and every other uncommitted change, staged or not, stays as it is.
+
+def unapply(checkout: Path) -> tuple[str, str, str]:
+    """Move HEAD back to where the last `apply` found it; return (HEAD before it, after it,
+    what was recovered: "" or a line). Where a killed `unapply` was completed, there is nothing
+    more to do: HEAD before it is "".
+
+    The commit `apply` started from is the old value of its own entry in HEAD's reflog (its
+    message APPLY_REFLOG), and must be an ancestor of the commit it made. Refused, nothing
+    changed, unless HEAD is still the commit `apply` made. The checkout moves as `apply` moved
+    it, journaled (`_move`): files the series changed must be unmodified, every other
+    uncommitted change, staged or not, stays as it is, and a run killed or interrupted is
+    completed or undone by the next `apply` or `unapply`.
     """
     gitdir = Path(git.out(checkout, "rev-parse", "--absolute-git-dir"))
     for path in (gitdir, checkout):
@@ -217,20 +225,35 @@ def unapply(checkout: Path) -> tuple[str, str]:
             raise UserError(f"{path} is not writable: cannot undo the series in {checkout}")
     with sources.project_lock(gitdir, Progress(enabled=True)):
         _refuse_git_locks(checkout, "unapply")
-        _recover(checkout, gitdir / STATE_DIR)
-        orig, new = _last_apply(checkout)
-        touched = git.out(checkout, "diff", "--name-only", orig, new).splitlines()
+        state = gitdir / STATE_DIR
+        recovered, finished = _recover(checkout, state)
+        try:
+            orig, new = _last_apply(checkout)
+        except NothingToUndo:
+            if finished == "unapply":
+                return "", git.out(checkout, "rev-parse", "HEAD"), recovered
+            raise
+        touched = git.out(checkout, "diff", "--name-only", "--no-renames", orig, new).splitlines()
         dirty = git.out(checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched)
         if dirty:
             raise CheckFailed(
                 f"{checkout} has uncommitted changes in files the series changed; commit or "
                 f"stash them first (nothing was changed):\n{dirty}"
             )
-        with git.signals_held():
-            failed = _move(checkout, new, orig, UNAPPLY_REFLOG)
+        state.mkdir(exist_ok=True)
+        try:
+            failed, kept = _move(checkout, state, "unapply", new, orig, True, touched)
+        finally:
+            if not (state / JOURNAL).exists():
+                shutil.rmtree(state, ignore_errors=True)
+        if kept:
+            raise CheckFailed(
+                f"git failed ({failed}) and {checkout} could not be put back fully: "
+                f"{', '.join(kept)} changed meanwhile; check them with `git status`"
+            )
         if failed:
             raise CheckFailed(f"{checkout} left unchanged: git failed: {failed}")
-    return new, orig
+    return new, orig, recovered
 
 
 def _refuse_git_locks(checkout: Path, verb: str) -> None:
@@ -247,37 +270,76 @@ def _refuse_git_locks(checkout: Path, verb: str) -> None:
             )
 
 
-def _move(checkout: Path, old: str, new: str, message: str) -> str:
-    """Index, work tree and HEAD from commit `old` to `new` in one step (signals held by the
-    caller): the files by `read-tree -m -u` (refused if a file it changes is modified; other
-    uncommitted work stays as it is), then HEAD; if HEAD moved meanwhile, the files go back.
-    Returns git's error, or "" when done."""
-    proc = git.run(checkout, "read-tree", "-m", "-u", old, new, check=False)
-    if proc.returncode == 0:
-        proc = git.run(checkout, "update-ref", "-m", message, "HEAD", new, old, check=False)
-        if proc.returncode != 0:
-            git.run(checkout, "read-tree", "-m", "-u", new, old, check=False)
-    return proc.stderr.strip() if proc.returncode != 0 else ""
+REFLOG = {"apply": APPLY_REFLOG, "unapply": UNAPPLY_REFLOG}
+
+
+def _move(
+    checkout: Path, state: Path, verb: str, orig: str, new: str, commit: bool, touched: list[str]
+) -> tuple[str, list[str]]:
+    """Index and work tree from commit `orig` to `new` in one step, then HEAD (if `commit`),
+    journaled in `state` with the touched files' bytes, signals held: the files by `read-tree
+    -m -u` (refused if a file it changes is modified; other uncommitted work stays as it is),
+    then HEAD. If git fails partway (a failing smudge filter, a full disk) or HEAD moved
+    meanwhile, the files are put back; a run killed in between is completed or undone by the
+    next one (`_recover`). Returns (git's error or "", files changed since that were left as
+    they are)."""
+    backup = _backup(checkout, state, touched)
+    record = {"verb": verb, "orig": orig, "new": new, "commit": commit, "backup": backup}
+    (state / "journal.tmp").write_text(json.dumps(record) + "\n")
+    os.replace(state / "journal.tmp", state / JOURNAL)
+    with git.signals_held():
+        proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
+        if proc.returncode == 0 and commit:
+            message = REFLOG[verb]
+            ref = git.run(checkout, "update-ref", "-m", message, "HEAD", new, orig, check=False)
+            if ref.returncode != 0:  # HEAD moved meanwhile: put the files back
+                git.run(checkout, "read-tree", "-m", "-u", new, orig, check=False)
+                proc = ref
+            else:  # as `git am` and `git reset` do (`unapply` undoes it, keeping uncommitted work)
+                git.run(checkout, "update-ref", "ORIG_HEAD", orig, check=False)
+        kept = _restore(checkout, state, orig, new, backup) if proc.returncode != 0 else []
+        (state / JOURNAL).unlink()
+    return (_git_error(proc.stderr) if proc.returncode != 0 else ""), kept
 
 
 def _last_apply(checkout: Path) -> tuple[str, str]:
-    """(the commit `apply` started from, the one it made), from HEAD's reflog."""
-    proc = git.run(checkout, "log", "-g", "--format=%H %gs", "HEAD", check=False)
-    entries = [line.split(" ", 1) + [""] for line in proc.stdout.splitlines()]
-    ours = [i for i, (_, what, *_) in enumerate(entries) if what.startswith("mcore_fixes ")]
-    if not ours or entries[ours[0]][1] != APPLY_REFLOG:
+    """(the commit `apply` started from, the one it made): the old and new values of its own
+    entry in HEAD's reflog, the first an ancestor of the second."""
+    entries = _reflog(checkout)
+    ours = [e for e in entries if e[2].startswith("mcore_fixes ")]
+    if not ours or ours[0][2] != APPLY_REFLOG:
         last = "was undone already" if ours else "is not in HEAD's reflog"
-        raise CheckFailed(f"{checkout}: nothing to undo: the last `mcore_fixes apply` {last}")
-    i = ours[0]
-    new = entries[i][0]
-    orig = entries[i + 1][0] if i + 1 < len(entries) else ""
+        raise NothingToUndo(f"{checkout}: nothing to undo: the last `mcore_fixes apply` {last}")
+    orig, new, _ = ours[0]
     head = git.out(checkout, "rev-parse", "HEAD")
-    if not orig or head != new:
+    if head != new:
         raise CheckFailed(
             f"{checkout}: HEAD moved since the series was applied (it made {new[:12]} on "
             f"{orig[:12] or 'an unrecorded commit'}, HEAD is {head[:12]}); nothing was changed"
         )
+    if not orig or not git.ok(checkout, "merge-base", "--is-ancestor", orig, new):
+        raise CheckFailed(
+            f"{checkout}: HEAD's reflog says the series was applied on {orig[:12] or 'nothing'}"
+            f", which is not an ancestor of the commit it made ({new[:12]}); nothing was changed"
+        )
     return orig, new
+
+
+def _reflog(checkout: Path) -> list[tuple[str, str, str]]:
+    """HEAD's reflog, newest first: (old value, new value, message) of each entry."""
+    log = checkout / git.out(checkout, "rev-parse", "--git-path", "logs/HEAD")
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:  # no reflog file (another ref storage): entries without their old values
+        proc = git.run(checkout, "log", "-g", "--format=%H %gs", "HEAD", check=False)
+        news = [(*line.split(" ", 1), "")[:2] for line in proc.stdout.splitlines()]
+        return [(news[i + 1][0] if i + 1 < len(news) else "", *e) for i, e in enumerate(news)]
+    entries = []
+    for line in reversed(lines):  # "OLD NEW IDENTITY TIME ZONE\tMESSAGE"
+        values, _, message = line.partition("\t")
+        old, _, rest = values.partition(" ")
+        entries.append((old, rest.partition(" ")[0], message))
+    return entries
 
 
 def _scratch_odb(tmp: str, checkout: Path) -> dict[str, str]:
@@ -293,42 +355,54 @@ def _scratch_odb(tmp: str, checkout: Path) -> dict[str, str]:
     }
 
 
-def _recover(checkout: Path, state: Path) -> str:
-    """Finish (or undo) an apply that was killed while moving the checkout."""
+def _recover(checkout: Path, state: Path) -> tuple[str, str]:
+    """Finish (or undo) an apply or unapply that was killed while moving the checkout; return
+    what was done ("" if nothing) and the verb whose move is now complete ("" if none)."""
     journal = state / JOURNAL
     if not journal.exists():
         shutil.rmtree(state, ignore_errors=True)  # a scratch index of a killed check
-        return ""
+        return "", ""
     try:  # written (atomically) before the checkout moves: unreadable means it never moved
         record = json.loads(journal.read_text())
-        orig, new = str(record["orig"]), str(record["new"])
+        verb, orig, new = str(record.get("verb", "apply")), str(record["orig"]), str(record["new"])
         commit, backup = bool(record.get("commit", True)), list(record.get("backup", []))
+        touched = [str(entry["path"]) for entry in backup]
+        message = REFLOG[verb]
     except (ValueError, KeyError, TypeError, AttributeError):
-        orig, new, commit, backup = "", "", True, []
+        verb, orig, new, commit, backup, touched, message = "apply", "", "", True, [], [], ""
     head = git.out(checkout, "rev-parse", "HEAD")
-    index_tree = git.run(checkout, "write-tree", check=False).stdout.strip()
     new_tree = git.run(checkout, "rev-parse", "-q", "--verify", f"{new}^{{tree}}", check=False)
-    new_tree = new_tree.stdout.strip() if new else ""
-    what = "an interrupted apply was undone before it changed anything"
+    moved = bool(new) and new_tree.returncode == 0 and _index_holds(checkout, new, touched)
+    what, finished = f"an interrupted {verb} was undone before it changed anything", ""
     with git.signals_held():
-        if new_tree and head == orig and index_tree == new_tree:  # git's step was done
+        if moved and head == orig:  # git's step was done
+            finished = verb
             if commit:
-                git.run(checkout, "update-ref", "-m", "mcore_fixes apply", "HEAD", new, orig)
-                what = "an interrupted apply was completed"
+                git.run(checkout, "update-ref", "-m", message, "HEAD", new, orig)
+                what = f"an interrupted {verb} was completed"
             else:
-                what = "an interrupted apply --no-commit had completed"
+                what = f"an interrupted {verb} --no-commit had completed"
         elif new and head == new:
-            what = "an interrupted apply had completed"
+            what, finished = f"an interrupted {verb} had completed", verb
         elif head == orig and backup:  # killed while git wrote the files: put them back
             kept = _restore(checkout, state, orig, new, backup)
-            what = "an interrupted apply was undone"
+            what = f"an interrupted {verb} was undone"
             if kept:
                 what += f" (changed since, left as they are: {', '.join(kept)})"
         elif head != orig:
-            what = "an interrupted apply was found, but HEAD has moved since: left as it is"
+            what = f"an interrupted {verb} was found, but HEAD has moved since: left as it is"
         journal.unlink()
     shutil.rmtree(state, ignore_errors=True)
-    return what
+    return what, finished
+
+
+def _index_holds(checkout: Path, commit: str, touched: list[str]) -> bool:
+    """Whether the index holds `commit`'s version of every touched file (of all files, where
+    none are named); other staged changes do not count."""
+    if touched:
+        return git.ok(checkout, "diff", "--cached", "--quiet", commit, "--", *touched)
+    tree = git.run(checkout, "write-tree", check=False).stdout.strip()
+    return tree == git.out(checkout, "rev-parse", f"{commit}^{{tree}}")
 
 
 def _apply(
@@ -406,31 +480,13 @@ def _apply(
     # The series' tree into the index and work tree in one step (`read-tree -m -u`), then HEAD
     # (unless --no-commit). Journaled with the touched files' bytes: if git fails partway (a
     # failing smudge filter, a full disk) or the run is killed, they are put back.
-    backup = _backup(checkout, state, touched)
-    (state / "journal.tmp").write_text(
-        json.dumps({"orig": orig, "new": new, "commit": commit, "backup": backup}) + "\n"
-    )
-    os.replace(state / "journal.tmp", state / JOURNAL)
-    with git.signals_held():
-        proc = git.run(checkout, "read-tree", "-m", "-u", orig, new, check=False)
-        if proc.returncode == 0 and commit:
-            ref = git.run(
-                checkout, "update-ref", "-m", APPLY_REFLOG, "HEAD", new, orig, check=False
-            )
-            if ref.returncode != 0:  # HEAD moved meanwhile: put the files back
-                git.run(checkout, "read-tree", "-m", "-u", new, orig, check=False)
-                proc = ref
-            else:  # as `git am` does (`unapply` undoes it, keeping uncommitted work)
-                git.run(checkout, "update-ref", "ORIG_HEAD", orig, check=False)
-        kept = _restore(checkout, state, orig, new, backup) if proc.returncode != 0 else []
-        (state / JOURNAL).unlink()
-    if proc.returncode != 0:
-        why = _git_error(proc.stderr)
-        if kept:
-            raise CheckFailed(
-                f"git failed ({why}) and {checkout} could not be put back fully: "
-                f"{', '.join(kept)} changed meanwhile; check them with `git status`"
-            )
+    why, kept = _move(checkout, state, "apply", orig, new, commit, touched)
+    if kept:
+        raise CheckFailed(
+            f"git failed ({why}) and {checkout} could not be put back fully: "
+            f"{', '.join(kept)} changed meanwhile; check them with `git status`"
+        )
+    if why:
         raise CheckFailed(f"{checkout} left unchanged: git failed: {why}")
     if not commit:
         how = "staged in the index and work tree (not committed)"
@@ -537,9 +593,9 @@ def _restore(checkout: Path, state: Path, orig: str, new: str, backup: list[dict
             (checkout / rel).rmdir()
         except OSError:
             pass
-    orig_tree = git.out(checkout, "rev-parse", f"{orig}^{{tree}}")
-    if git.run(checkout, "write-tree", check=False).stdout.strip() != orig_tree:
-        git.run(checkout, "read-tree", orig, check=False)
+    paths = [entry["path"] for entry in backup]
+    if paths and not _index_holds(checkout, orig, paths):  # the index's other entries stay
+        git.run(checkout, "reset", "-q", orig, "--", *paths, check=False)
     git.run(checkout, "update-index", "-q", "--refresh", check=False)
     return kept
 

@@ -169,10 +169,36 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 def cmd_unapply(args: argparse.Namespace) -> int:
     top = checkout.toplevel(Path(args.checkout).resolve())
-    new, orig = checkout.unapply(top)
-    print(f"{top}: HEAD back at {orig[:12]}, where `apply` found it (it was {new[:12]})")
+    try:
+        new, orig, recovered = checkout.unapply(top)
+    except checkout.NothingToUndo:
+        staged = _staged_series(args, top)
+        if staged:
+            raise CheckFailed(
+                f"{top}: nothing committed to undo, but the series is staged, not committed "
+                f"(`apply --no-commit`): {len(staged)} file(s) hold its changes in the index "
+                f"and the work tree: {', '.join(staged)}; undo it with: "
+                f"{checkout.restore_command(top, staged)} (nothing was changed)"
+            ) from None
+        raise
+    if recovered:
+        print(f"{top}: {recovered}")
+    if new:
+        print(f"{top}: HEAD back at {orig[:12]}, where `apply` found it (it was {new[:12]})")
     print(f"  to apply the series again: python -m mcore_fixes apply {top}")
     return 0
+
+
+def _staged_series(args: argparse.Namespace, top: Path) -> list[str]:
+    """The files of the series staged in `top` by `apply --no-commit` (none: [])."""
+    m = _manifest(args)
+    try:
+        b, _ = checkout.detect_baseline(m, top)
+        outcome = checkout.apply(m, top, b, commit=False, dry_run=True)
+    except UserError:
+        return []
+    staged = any("(staged, not committed)" in what for _, what in outcome.report)
+    return outcome.touched if staged else []
 
 
 def _status_cells(args: argparse.Namespace, m: Manifest, progress: Progress) -> list[Cell]:

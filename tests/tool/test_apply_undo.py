@@ -117,3 +117,45 @@ def test_apply_on_a_detached_head_says_how_to_keep_the_commits(world, project, t
     ) in r.out
     r = tool(project, "unapply", co)  # a detached HEAD goes back too
     assert r.rc == 0 and git(co, "rev-parse", "HEAD").strip() == world.commits["core_v0.1.0"]
+
+
+def test_unapply_goes_back_to_where_apply_started_whatever_the_reflog_lost(
+    world, project, tool, tmp_path
+):
+    """The start is the old value of the apply's own reflog entry: an entry deleted before it
+    (a gap) changes nothing; one that does not lead to the apply's commit is refused."""
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    write(co, "README.md", "my commit\n")
+    git(co, "commit", "-qam", "my commit before the apply")
+    mine = git(co, "rev-parse", "HEAD").strip()
+    assert tool(project, "apply", co).rc == 0
+    git(co, "reflog", "delete", "HEAD@{1}")  # the entry of my commit
+    r = tool(project, "unapply", co)
+    assert r.rc == 0, r.err
+    assert f"HEAD back at {mine[:12]}, where `apply` found it" in r.out
+    assert git(co, "rev-parse", "HEAD").strip() == mine
+
+    assert tool(project, "apply", co).rc == 0
+    unrelated = git(co, "commit-tree", "HEAD^{tree}", "-m", "unrelated").strip()
+    log = co / ".git" / "logs" / "HEAD"
+    lines = log.read_text().splitlines(keepends=True)
+    assert lines[-1].endswith("\tmcore_fixes apply\n")
+    lines[-1] = unrelated + lines[-1][len(unrelated) :]
+    log.write_text("".join(lines))
+    before = snapshot(co)
+    r = tool(project, "unapply", co)
+    assert r.rc == 1 and "which is not an ancestor of the commit it made" in r.err, r.err
+    assert snapshot(co) == before
+
+
+def test_unapply_after_apply_no_commit_says_what_is_staged(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    assert tool(project, "apply", co).rc == 0
+    assert tool(project, "unapply", co).rc == 0
+    assert tool(project, "apply", "--no-commit", co).rc == 0
+    before = snapshot(co)
+    r = tool(project, "unapply", co)
+    assert r.rc == 1 and "undone already" not in r.err, r.err
+    assert "the series is staged, not committed (`apply --no-commit`): 6 file(s)" in r.err
+    assert "megatron/core/calc.py" in r.err and f"git -C {co} restore --source=HEAD" in r.err
+    assert snapshot(co) == before

@@ -295,3 +295,36 @@ def test_download_killed_leaves_nothing_the_next_run_keeps(world, tmp_path):
     r = run_module(project, "vendor", env={**env, "STOP_AT": "no-such-command"})
     assert r.rc == 0, r.err
     assert sorted(p.name for p in cache.iterdir()) == ["sha256"]
+
+
+@pytest.mark.parametrize("rerun", ["unapply", "apply"])
+@pytest.mark.parametrize("stop_at", ["read-tree -m -u", "update-ref"])
+def test_unapply_killed_is_completed_or_undone_by_the_next_run(
+    world, project, tmp_path, stop_at, rerun
+):
+    """Killed between moving the index and moving HEAD (SIGKILL, OOM, power): the files are
+    back, HEAD not yet. The next `unapply` or `apply` finishes the undo from its journal: no
+    staged change is left that the user never made."""
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    base = git(co, "rev-parse", "HEAD").strip()
+    assert run_module(project, "apply", co).rc == 0
+    (co / "README.md").write_text("my edit, not staged\n")
+    env = wrapped_env(tmp_path, stop_at)
+    proc = start(project, "unapply", co, env=env)
+    wait_reached(env, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert count(co) == 3  # HEAD not moved yet
+    r = run_module(project, rerun, co)
+    assert r.rc == 0, r.err
+    assert not state_dir(co).exists()
+    assert git(co, "status", "--porcelain", "--untracked-files=all") == " M README.md\n"
+    if rerun == "unapply":
+        assert git(co, "rev-parse", "HEAD").strip() == base
+        assert "HEAD back at" in r.out or "an interrupted unapply was completed" in r.out
+    else:  # the undo finished (or found undone), then the series applied again
+        assert count(co) == 3
+    if stop_at == "update-ref":
+        assert "an interrupted unapply was completed" in r.out, r.out
+    else:
+        assert "an interrupted unapply was undone" in r.out, r.out
