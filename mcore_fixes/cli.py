@@ -75,7 +75,8 @@ def locate(args: argparse.Namespace) -> None:
         )
     args.series = PACKAGED_SERIES
     args.root = sources.cache_dir() / "work"
-    args.root.mkdir(parents=True, exist_ok=True)
+    if args.verb not in ("apply", "unapply"):  # they work in the checkout's git dir only
+        args.root.mkdir(parents=True, exist_ok=True)
 
 
 def _manifest(args: argparse.Namespace) -> Manifest:

@@ -90,9 +90,13 @@ def run(
     env: dict[str, str] | None = None,
     input: bytes | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `git -C repo args...`; raise UserError with git's own message on failure."""
+    """Run `git -C repo args...`; raise UserError with git's own message on failure.
+
+    With a scratch index (`GIT_INDEX_FILE` in `env`) no hook of the user runs: writing it is
+    the tool's business, not a change of the user's index (`post-index-change`)."""
+    scratch = ("-c", f"core.hooksPath={os.devnull}") if env and "GIT_INDEX_FILE" in env else ()
     proc = subprocess.run(
-        [git_exe(), "-C", str(repo), *args],
+        [git_exe(), "-C", str(repo), *scratch, *args],
         capture_output=True,
         env=environment(repo, env),
         input=input.decode() if input is not None else None,

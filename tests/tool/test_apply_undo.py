@@ -159,3 +159,28 @@ def test_unapply_after_apply_no_commit_says_what_is_staged(world, project, tool,
     assert "the series is staged, not committed (`apply --no-commit`): 6 file(s)" in r.err
     assert "megatron/core/calc.py" in r.err and f"git -C {co} restore --source=HEAD" in r.err
     assert snapshot(co) == before
+
+
+HOOK = '#!/bin/sh\necho "$0 ${GIT_INDEX_FILE:-the index}" >> "$HOOK_LOG"\n'
+
+
+def test_no_hook_of_the_user_runs_on_the_tools_scratch_index(
+    world, project, tool, tmp_path, monkeypatch
+):
+    """A dry run writes no index of the user's: their post-index-change hook never runs
+    (in .git/hooks or core.hooksPath); a real apply runs it for the user's index only."""
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    log = tmp_path / "hooks.log"
+    monkeypatch.setenv("HOOK_LOG", str(log))
+    elsewhere = tmp_path / "my-hooks"
+    for hooks in (co / ".git" / "hooks", elsewhere):
+        write(hooks, "post-index-change", HOOK)
+        (hooks / "post-index-change").chmod(0o755)
+    git(co, "update-index", "--refresh")
+    log.unlink(missing_ok=True)
+    assert tool(project, "apply", "--dry-run", co).rc == 0
+    git(co, "config", "core.hooksPath", str(elsewhere))
+    assert tool(project, "apply", "--dry-run", co).rc == 0
+    assert not log.exists(), log.read_text()
+    assert tool(project, "apply", co).rc == 0
+    assert "mcore-fixes" not in log.read_text(), log.read_text()

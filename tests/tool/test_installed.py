@@ -98,13 +98,18 @@ def test_info_without_any_megatron_core_is_one_line(tool_only, tmp_path):
     assert r.err.startswith("mcore_fixes: error: megatron.core is not importable here")
 
 
-def test_the_installed_tool_runs_from_anywhere_with_the_series_it_carries(world, project, tmp_path):
-    # As `pip install <clone>` lays it out: mcore_fixes/ with patches/ inside, no clone around.
-    lib = tmp_path / "lib"
+def installed(project: Path, lib: Path) -> Path:
+    """The tool as `pip install <clone>` lays it out in `lib`: mcore_fixes/ with patches/
+    inside, no clone around."""
     shutil.copytree(
         MAIN / "mcore_fixes", lib / "mcore_fixes", ignore=shutil.ignore_patterns("__pycache__")
     )
     shutil.copytree(project / "patches", lib / "mcore_fixes" / "patches")
+    return lib
+
+
+def test_the_installed_tool_runs_from_anywhere_with_the_series_it_carries(world, project, tmp_path):
+    lib = installed(project, tmp_path / "lib")
     co = world.clone(tmp_path / "co", "core_v0.1.0")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -136,3 +141,15 @@ def run_module_plain(cwd: Path, env: dict[str, str], *args: str) -> Result:
         cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_the_installed_tools_apply_and_unapply_make_no_cache_folder(world, project, tmp_path):
+    """A dry run writes nothing anywhere; apply and unapply work in the checkout alone."""
+    lib = installed(project, tmp_path / "lib")
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(lib), "MCORE_FIXES_CACHE": str(cache)}
+    for args in (("apply", "--dry-run"), ("apply",), ("unapply",)):
+        r = run_module_plain(tmp_path, env, *args, str(co))
+        assert r.rc == 0, r.err
+        assert not cache.exists(), args
