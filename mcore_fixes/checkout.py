@@ -246,13 +246,7 @@ def unapply(checkout: Path) -> tuple[str, str, str]:
         finally:
             if not (state / JOURNAL).exists():
                 shutil.rmtree(state, ignore_errors=True)
-        if kept:
-            raise CheckFailed(
-                f"git failed ({failed}) and {checkout} could not be put back fully: "
-                f"{', '.join(kept)} changed meanwhile; check them with `git status`"
-            )
-        if failed:
-            raise CheckFailed(f"{checkout} left unchanged: git failed: {failed}")
+        _refuse_failed(checkout, failed, kept)
     return new, orig, recovered
 
 
@@ -300,6 +294,17 @@ def _move(
         kept = _restore(checkout, state, orig, new, backup) if proc.returncode != 0 else []
         (state / JOURNAL).unlink()
     return (_git_error(proc.stderr) if proc.returncode != 0 else ""), kept
+
+
+def _refuse_failed(checkout: Path, why: str, kept: list[str]) -> None:
+    """CheckFailed where `_move` failed: git's reason, and the files it could not put back."""
+    if kept:
+        raise CheckFailed(
+            f"git failed ({why}) and {checkout} could not be put back fully: "
+            f"{', '.join(kept)} changed meanwhile; check them with `git status`"
+        )
+    if why:
+        raise CheckFailed(f"{checkout} left unchanged: git failed: {why}")
 
 
 def _last_apply(checkout: Path) -> tuple[str, str]:
@@ -481,13 +486,7 @@ def _apply(
     # (unless --no-commit). Journaled with the touched files' bytes: if git fails partway (a
     # failing smudge filter, a full disk) or the run is killed, they are put back.
     why, kept = _move(checkout, state, "apply", orig, new, commit, touched)
-    if kept:
-        raise CheckFailed(
-            f"git failed ({why}) and {checkout} could not be put back fully: "
-            f"{', '.join(kept)} changed meanwhile; check them with `git status`"
-        )
-    if why:
-        raise CheckFailed(f"{checkout} left unchanged: git failed: {why}")
+    _refuse_failed(checkout, why, kept)
     if not commit:
         how = "staged in the index and work tree (not committed)"
         return Outcome(_ordered(manifest, report, todo, how), changed)
