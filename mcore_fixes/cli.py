@@ -11,6 +11,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import checkout, git, installed, lint, report, sources, variants
 from . import manifest as manifest_mod
@@ -37,6 +38,9 @@ from .vendor import (
     vendored_baseline,
     verify_vendored,
 )
+
+if TYPE_CHECKING:  # numpy, which `audit` needs, is imported for that verb only
+    from . import audit
 
 CLONE_ROOT = Path(__file__).resolve().parent.parent
 # `pip install <clone>` ships patches/ (manifest and patch files) inside the package (setup.py)
@@ -481,16 +485,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     """Whether a checkpoint carries the damage of the series' bugs (see mcore_fixes/audit.py)."""
     try:
-        from . import audit  # noqa: PLC0415 - numpy is imported for this verb only
-    except ImportError as exc:
-        if exc.name != "numpy":
-            raise
-        raise UserError(
-            "audit reads checkpoints with numpy: install it (pip install numpy)"
-        ) from None
-
-    try:
-        report = audit.audit(Path(args.checkpoint))
+        report = _audit_report(Path(args.checkpoint))
     except UserError as exc:  # --json: JSON still, with the one line (also on stderr)
         if args.json:
             print(json.dumps({"checkpoint": args.checkpoint, "error": str(exc)}, indent=1))
@@ -502,6 +497,18 @@ def cmd_audit(args: argparse.Namespace) -> int:
         for line in report.text():  # names from the files may not be encodable here
             print(line.encode(encoding, "backslashreplace").decode(encoding))
     return report.exit_code
+
+
+def _audit_report(path: Path) -> audit.Report:
+    try:
+        from . import audit  # noqa: PLC0415 - numpy is imported for this verb only
+    except ImportError as exc:
+        if exc.name != "numpy":
+            raise
+        raise UserError(
+            "audit reads checkpoints with numpy: install it (pip install numpy)"
+        ) from None
+    return audit.audit(path)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -283,7 +283,8 @@ def test_truncated_and_corrupt(written, tmp_path, capsys):
 
 
 def test_command_line_one_line_without_numpy(tmp_path):
-    """Without numpy the verb says so in one line (the rest of the tool needs none)."""
+    """Without numpy the verb says so in one line, in JSON with --json (the rest of the tool
+    needs none)."""
     code = (
         "import sys; sys.modules['numpy'] = None; from mcore_fixes.cli import main; "
         f"sys.exit(main(['audit', {str(tmp_path)!r}]))"
@@ -292,6 +293,9 @@ def test_command_line_one_line_without_numpy(tmp_path):
     assert proc.returncode == 2, proc
     assert proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
     assert "numpy" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    code = code.replace("])", ", '--json'])")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "numpy" in json.loads(proc.stdout)["error"], proc
 
 
 # --- loads across versions (fix 2's layout record) -------------------------------------------
