@@ -432,10 +432,11 @@ class Archive:
                 order = zf.read(self._prefix + "byteorder") if self._has("byteorder") else b"little"
                 if order.strip() != b"little":
                     raise BadCheckpoint(f"{self._where()}: big-endian archive")
-                if names[0].file_size > PICKLE_MAX:
+                size = max(names[0].file_size, names[0].compress_size)
+                if size > PICKLE_MAX:
                     raise BadCheckpoint(
-                        f"{self._where()}: its data.pkl is {names[0].file_size} bytes, more "
-                        f"than the {PICKLE_MAX} it may have"
+                        f"{self._where()}: its data.pkl is {size} bytes, more than the "
+                        f"{PICKLE_MAX} it may have"
                     )
                 data = zf.read(names[0])
         except (zipfile.BadZipFile, EOFError, KeyError, OSError, struct.error) as exc:

@@ -486,7 +486,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """Whether a checkpoint carries the damage of the series' bugs (see mcore_fixes/audit.py)."""
     try:
         report = _audit_report(Path(args.checkpoint))
-    except UserError as exc:  # --json: JSON still, with the one line (also on stderr)
+    except (UserError, OSError) as exc:  # --json: JSON still, with the one line (on stderr)
         if args.json:
             print(json.dumps({"checkpoint": args.checkpoint, "error": str(exc)}, indent=1))
         raise

@@ -279,6 +279,7 @@ def test_json_of_a_path_that_is_no_checkpoint(tmp_path):
     for path in (tmp_path / "missing", tmp_path):
         err = refused(path)
         assert str(path) in err
+    refused(tmp_path / ("a" * 5000), "File name too long")  # an OSError, not ours
 
 
 def test_args_of_any_shape_in_the_evidence(tmp_path):
