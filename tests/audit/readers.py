@@ -70,11 +70,8 @@ def _read(name: str, ckpt: Path, out: Path) -> None:
 
 def _outcome(name: str, ckpt: Path) -> str:
     scenario = SCENARIOS[name][1]
-    if hasattr(scenario, "make"):  # a model of its own (MIMO)
-        chunk, optimizer = scenario.make()
-    else:
-        model_fn, ddp, config = scenario.build
-        chunk, optimizer = _build(model_fn(), ddp=ddp, **config)
+    model_fn, ddp, config = scenario.build
+    chunk, optimizer = _build(model_fn(), ddp=ddp, **config)
     _step(chunk, optimizer, seed=1)  # state of its own, unlike the checkpoint's
     truth = torch.load(truth_file(ckpt), weights_only=False)
     try:

@@ -169,11 +169,7 @@ class Big(torch.nn.Module):
 
 
 def distributed_optimizers(optimizer) -> list:
-    """The DistributedOptimizers of what get_megatron_optimizer returned (chained or not), or
-    of this rank's modules in a MimoOptimizer."""
-    if hasattr(optimizer, "module_infos"):
-        infos = optimizer.module_infos.values()
-        return [d for i in infos if i.optimizer for d in distributed_optimizers(i.optimizer)]
+    """The DistributedOptimizers of what get_megatron_optimizer returned (chained or not)."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
@@ -371,83 +367,6 @@ class StageNet(torch.nn.Module):
             setattr(self, f"stage{stage}_{name}", layer.to(dtype))
 
 
-def _mimo_grid(offset: int):
-    """A one-rank module grid with the groups get_megatron_optimizer takes from it."""
-    from megatron.core.hyper_comm_grid import HyperCommGrid
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    grid = HyperCommGrid([1, 1, 1, 1], ["tp", "cp", "pp", "dp"], rank_offset=offset, backend="gloo")
-    grid.register_view(
-        "expert", shape=[1, 1, 1, 1], dim_names=["expt_tp", "ep", "pp", "expt_dp"], shared_dims=["pp"]
-    )
-    for dims in (["tp"], ["cp"], ["pp"], ["dp"], ["dp", "cp"], ["tp", "pp"]):
-        grid.create_pg(dims)
-    grid.create_pg(["tp", "cp", "dp", "pp"])
-    for dims in (["ep"], ["expt_dp"], ["expt_tp", "ep", "pp"]):
-        grid.create_pg(dims, view="expert")
-    pgs = ProcessGroupCollection()
-    for name, dims in (("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "dp"),
-                       ("dp_cp", ["dp", "cp"]), ("mp", ["tp", "pp"]),
-                       ("intra_dist_opt", ["tp", "cp", "dp", "pp"])):  # fmt: skip
-        setattr(pgs, name, grid.get_pg(dims))
-    for name, dims in (("ep", "ep"), ("expt_dp", "expt_dp"), ("tp_ep_pp", ["expt_tp", "ep", "pp"])):
-        setattr(pgs, name, grid.get_pg(dims, view="expert"))
-    return grid, pgs
-
-
-def mimo_mixed(fmt: str):
-    """Non-colocated MIMO with DistributedOptimizers: the encoder's grid on rank 0 (bf16 params
-    only), the LLM's on rank 1 (an fp32 Linear among bf16 ones, norm weights at their init of
-    1.0: the values cannot tell the param index layouts apart)."""
-
-    def make():
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.transformer import TransformerConfig
-
-        config = OptimizerConfig(
-            optimizer="adam", lr=0.0, bf16=True, clip_grad=0.0, use_distributed_optimizer=True
-        )
-        infos, chunk = {}, None
-        for name, rank in (("images", 0), ("language", 1)):
-            grid, pgs = _mimo_grid(rank)
-            optimizer = None
-            if grid.is_current_rank_in_grid():
-                module = torch.nn.Module()
-                for i, dtype in enumerate((torch.bfloat16, torch.float32, torch.bfloat16)):
-                    layer = torch.nn.Linear(32, 32)
-                    with torch.no_grad():
-                        layer.weight.fill_(1.0)
-                        layer.bias.zero_()
-                    mixed = name == "language"
-                    setattr(module, f"{name}{i}", layer.to(dtype if mixed else torch.bfloat16))
-                chunk = DistributedDataParallel(
-                    TransformerConfig(num_attention_heads=1, num_layers=1),
-                    DistributedDataParallelConfig(use_distributed_optimizer=True),
-                    module,
-                    pg_collection=pgs,
-                )
-                optimizer = get_megatron_optimizer(config, [chunk], pg_collection=pgs)
-            infos[name] = ModuleOptimizerInfo(
-                optimizer=optimizer,
-                grid=grid,
-                pg_collection=pgs if optimizer else None,
-                is_active=optimizer is not None,
-            )
-        return chunk, MimoOptimizer(infos, config)
-
-    def scenario(out: Path) -> None:
-        chunk, optimizer = make()
-        _step(chunk, optimizer)  # at lr 0 (a warmup step): weights stay 1.0, moments differ
-        save(chunk, optimizer, out, fmt, _args(bf16=True))
-        torch.save(own_states(chunk, optimizer), truth_file(out))
-
-    scenario.make = make  # type: ignore[attr-defined]
-    scenario.fmt = fmt  # type: ignore[attr-defined]
-    return scenario
-
-
 SCENARIOS = {
     **{f"mixed-{fmt}": (1, mixed(fmt)) for fmt in FORMATS},
     "aligned-dp_reshardable": (1, mixed("dp_reshardable", fp32_first=True)),
@@ -470,7 +389,6 @@ SCENARIOS = {
         f"mixed-pp2-expert-{fmt}": ("pp2", one_step(lambda: StageNet(expert=True), fmt))
         for fmt in FORMATS
     },
-    **{f"mixed-mimo-{fmt}": (2, mimo_mixed(fmt)) for fmt in ("fully_reshardable", "dp_reshardable")},
 }
 # What a version cannot write, in the words of its error (see _support.DISTOPT_UNWRITABLE).
 UNWRITABLE = ("flattened_range is not supported", "Unknown sharding_type", "(torch.Size([]), 0,")
