@@ -722,8 +722,8 @@ FORK_CONVERTS = (
 )
 FORK_UNRECORDED = (
     "reads it in grad-buffer order (the layout of every release) and says so; "
-    "MCORE_UNRECORDED_PARAM_INDEX_LAYOUT=storage_order overrides that for a checkpoint the fork "
-    "(before it recorded its layout) or upstream dev wrote"
+    "the optimizer config's unrecorded_param_index_layout='storage_order' overrides that for a "
+    "checkpoint the fork (before it recorded its layout) or upstream dev wrote"
 )
 
 
