@@ -16,8 +16,9 @@ common state that torch_dist saves from rank 0 alone says it for every rank.
 Real objects: DistributedDataParallel, get_megatron_optimizer (torch Adam), DistributedOptimizer,
 ChainedOptimizer, dist_checkpointing save/load to files and the legacy torch.save path, in forked
 gloo worlds of 1 and 2 ranks (and 2 ranks at data-parallel size 1, where the swapped shards have
-equal sizes; and 2 pipeline stages, where only stage 1 mixes fp32 and 16-bit params). Unrecorded checkpoints are written as MCore wrote them: through the grad-buffer-
-order index it built (or the storage-order one), without the record. Disclosed stand-ins:
+equal sizes; and 2 pipeline stages, where only stage 1 mixes fp32 and 16-bit params).
+Unrecorded checkpoints are written as MCore wrote them: through the grad-buffer-order index it
+built (or the storage-order one), without the record. Disclosed stand-ins:
 ``CudaOnCpu`` and a no-op ``torch.cuda.synchronize`` for the checkpoint writer.
 """
 
