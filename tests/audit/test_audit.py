@@ -356,5 +356,7 @@ def test_loads_across_versions(written, writer, reader, tmp_path):
             assert outcome == "exact", (name, outcome)
         elif writer.fork and w.code("param_index_layout") and name.startswith("mixed-"):
             assert outcome.startswith("error"), (name, outcome)
-            if w.code("refused_because"):  # the error names the cause and the way out
+            # the error names the cause and the way out (unless stock's torch Adam load fails
+            # first, on its own checkpoints too)
+            if w.code("refused_because") and "KeyError: 'step'" not in outcome:
                 assert "param_index_layout" in outcome, (name, outcome)
