@@ -377,6 +377,8 @@ class Verdict:
     evidence: dict = field(default_factory=dict)
     fork: str = ""  # what loading it on the fork does
     stock: str = ""  # what loading it on stock MCore does
+    details: list[str] = field(default_factory=list)  # evidence lines under the first one
+    todo: str = ""  # what to do (damaged, cannot tell)
 
     def line(self) -> str:
         text = f"{self.check}: {self.verdict}: {self.summary}"
@@ -387,10 +389,22 @@ class Verdict:
         loads = [x for x in loads if x]
         return text + (f" Loading it: {'; '.join(loads)}." if loads else "")
 
+    def lines(self) -> Iterator[str]:
+        """The verdict's line, then its evidence and what to do, indented."""
+        yield self.line()
+        for detail in self.details[:SHOWN]:
+            yield f"    {detail}"
+        if len(self.details) > SHOWN:
+            yield f"    and {len(self.details) - SHOWN} more (--json lists all)"
+        if self.todo:
+            yield f"    what to do: {self.todo}"
+
     def as_json(self) -> dict:
         data = {"check": self.check, "verdict": self.verdict, "summary": self.summary}
         data["evidence"] = self.evidence
+        data["details"] = self.details
         data["on_load"] = {"fork": self.fork, "stock": self.stock}
+        data["what_to_do"] = self.todo
         return data
 
 
@@ -942,7 +956,7 @@ class Report:
         note = f" ({self.note})" if self.note else ""
         yield f"{self.path}: {self.kind} checkpoint{it}{note}"
         for v in self.verdicts:
-            yield v.line()
+            yield from v.lines()
 
     def as_json(self) -> dict:
         """The report as JSON carries it (`plain`)."""
