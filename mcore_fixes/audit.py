@@ -220,8 +220,10 @@ def _dist_view(files: Files, root: Path) -> View:
             )
     for where, obj in view.objects:
         if where in ("common_state", "common.pt"):
-            it = _first(obj, "iteration")
-            view.iteration = _iteration(it, where) if isinstance(it, int) else view.iteration
+            # megatron/training saves it at the top (args may hold an `iteration` of its own)
+            it = obj.get("iteration") if isinstance(obj, dict) else None
+            if isinstance(it, int) and not isinstance(it, bool):
+                view.iteration = _iteration(it, where)
     return view
 
 
@@ -262,13 +264,6 @@ def _legacy_view(files: Files, root: Path, ranks: list[Path]) -> View:
                 name = f"{label}:optimizer" + (f"[{i}]" if len(states) > 1 else "")
                 view.regions += _dp_zero_regions(one, name, "legacy")
     return view
-
-
-def _first(obj: Any, key: str) -> Any:
-    for path, value in walk(obj):
-        if path and path[-1] == key:
-            return value
-    return None
 
 
 def _iteration(value: int, where: Any) -> int:
