@@ -303,7 +303,21 @@ def resolve(path: Path) -> tuple[Path, str]:
         return target, f"latest checkpoint, from {TRACKER}"
     if not _is_iteration(path) and (found := _iteration_dirs(path)):
         return found[-1], f"the highest iteration directory (no {TRACKER})"
+    if not _is_iteration(path) and (runs := _runs(path)):
+        shown = ", ".join(str(r) for r in runs[:8]) + (" ..." if len(runs) > 8 else "")
+        raise UserError(
+            f"{path} holds the save directories of {len(runs)} runs: audit each one: {shown}"
+        )
     return path, ""
+
+
+def _runs(path: Path) -> list[Path]:
+    """Save directories (a tracker file or iteration directories) one level below `path`."""
+    return sorted(
+        p
+        for p in path.iterdir()
+        if p.is_dir() and not p.is_symlink() and ((p / TRACKER).is_file() or _iteration_dirs(p))
+    )
 
 
 def _is_iteration(path: Path) -> bool:
