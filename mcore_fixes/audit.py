@@ -837,14 +837,21 @@ def check_param_index(a: Audit) -> Verdict:
             if tripwire
             else "loads it exactly: its index is the same for these groups"
         )
+        refused = bool(wrapped or tripwire)
         return Verdict(
             name,
             OK,
             f"recorded layout {_names(marked)} (written by the fork); every "
-            f"main param is its own param's ({loc.checked} tensor(s) checked).",
+            f"main param is its own param's ({loc.checked} tensor(s) checked)."
+            + (" Stock megatron-core will refuse this checkpoint." if refused else ""),
             evidence,
             fork="loads it as recorded",
             stock=stock,
+            todo="stock megatron-core will refuse this checkpoint's optimizer state: keep "
+            "resuming with the fork (README: Going back to upstream), or start stock from its "
+            "model weights only (--no-load-optim)."
+            if refused
+            else "",
         )
     if not mixed or aligned:
         why = (

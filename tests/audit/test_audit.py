@@ -196,6 +196,9 @@ def test_fork_records_its_layout(written, capsys):
         # where stock's index would misread a mixed group, stock cannot load it at all
         misread = scenario.startswith("mixed-")
         assert index["on_load"]["stock"].startswith("fails to load it") == misread, index
+        # the lock-in said on the verdict's line, with what to do (still ok: nothing damaged)
+        assert ("Stock megatron-core will refuse" in index["summary"]) == misread, index
+        assert index["what_to_do"].startswith("stock megatron-core will refuse") == misread
 
 
 # --- read-only, and bad input ---------------------------------------------------------------
