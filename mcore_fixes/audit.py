@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .audit_resume import group_findings, param_groups, scheduler_state, step_counts
 from .ckptread import (
     FLOATS,
     BadCheckpoint,
@@ -101,6 +102,7 @@ class Region:
     buffer: str = ""  # buffer space: which buffer (and bucket); "" in model space
     sharding: str = ""  # the format that wrote it
     base: int = 0  # dp_reshardable: where the chunk starts in its bucket
+    key: str = ""  # model space: the rest of the key (a param name, or a state key)
 
     def padding(self) -> bool:
         """A dp_reshardable chunk of the gap between two params (params start 64-aligned):
@@ -215,10 +217,12 @@ def _dist_view(files: Files, root: Path) -> View:
             if model is not None:
                 name = m["key"] if len(model.chunks) == 1 else f"{m['key']}{list(chunk.offsets)}"
                 owner = name if name in view.units else None
-            view.regions.append(
-                Region(m["opt"].rstrip("."), m["state"], ckpt.tensor(item, chunk), owner)
-            )
+            region = Region(m["opt"].rstrip("."), m["state"], ckpt.tensor(item, chunk), owner)
+            region.key = m["key"]
+            view.regions.append(region)
     for where, obj in view.objects:
+        if where == "iteration" and isinstance(obj, int):  # torch DCP (fsdp_dtensor) saves
+            view.iteration = _iteration(obj, where)
         if where in ("common_state", "common.pt"):
             # megatron/training saves it at the top (args may hold an `iteration` of its own)
             it = obj.get("iteration") if isinstance(obj, dict) else None
@@ -557,6 +561,8 @@ class Records:
 def _records(view: View) -> Records:
     rec = Records()
     for where, obj in view.objects:
+        if where == "args" and isinstance(obj, Opaque) and rec.args is None:  # torch DCP
+            rec.args = obj
         if isinstance(obj, str):  # a ShardedObject of one entry (non-reshardable formats, MIMO)
             if where.endswith(".param_state_sharding_type"):
                 rec.sharding.append((where, obj))
@@ -952,6 +958,145 @@ def check_reshard_padding(a: Audit) -> Verdict:
     )
 
 
+# --- param groups and step counts (what a resume leaves) ------------------------------------
+
+GROUPS_TODO = (
+    "resume from the last checkpoint saved before the first resume of this run (its groups are "
+    "right) on megatron-core 0.19.0 or later (#4705), where the groups are paired by their LR "
+    "bounds too; this checkpoint's weights and moments are its own, its group settings are not "
+    "(--no-load-optim keeps the weights only). The fork does not repair group settings."
+)
+OVERRIDE_TODO = (
+    "the groups train at the earlier run's LR bounds, not your --lr/--min-lr: resume on a "
+    "megatron-core with upstream #5213 (upstream dev) with --override-opt-param-scheduler, which "
+    "sets them from the args; without #5213 no flag changes them (the fork does not carry it)."
+)
+
+
+def check_param_groups(a: Audit) -> Verdict:
+    name, view = "param-groups", a.view
+    found = param_groups(view.objects, _where)
+    sched = scheduler_state(view.objects)
+    args = a.rec.args
+    evidence: dict[str, Any] = {"optimizers": len(found), "scheduler": sched}
+    if not found:
+        return Verdict(name, OK, "no optimizer param groups saved.", evidence)
+    findings: dict[str, list[str]] = {}
+    for groups in found:
+        for kind, lines in group_findings(groups, sched, args).items():
+            findings.setdefault(kind, []).extend(lines)
+    evidence.update(findings)
+    override = bool(args.get("override_opt_param_scheduler")) if isinstance(args, Opaque) else False
+    if not findings:
+        what = "LR bounds, weight decay and params" if sched else "settings and params"
+        src = "the saved scheduler state" if sched else "each other (no scheduler state saved)"
+        return Verdict(
+            name,
+            OK,
+            f"{sum(len(g.groups) for g in found)} param group(s) of {len(found)} optimizer(s): "
+            f"{what} agree with {src}.",
+            evidence,
+        )
+    details = [line for lines in findings.values() for line in lines]
+    if "duplicate" in findings or "params" in findings:
+        return Verdict(
+            name,
+            DAMAGED,
+            "param groups hold other groups' settings (upstream #4705: a resume of a run whose "
+            "groups differ only in LR bounds, e.g. --decoupled-lr).",
+            evidence,
+            details=details,
+            todo=GROUPS_TODO,
+        )
+    if "bounds" in findings and override:
+        return Verdict(
+            name,
+            DAMAGED,
+            "param groups kept LR bounds that the scheduler state and args replaced (upstream "
+            "#5213: a resume with --override-opt-param-scheduler).",
+            evidence,
+            details=details,
+            todo=OVERRIDE_TODO,
+        )
+    return Verdict(
+        name,
+        DAMAGED,
+        "param groups disagree with the saved scheduler state (LR bounds or weight decay).",
+        evidence,
+        details=details,
+        todo="check the args this run was resumed with; "
+        + (OVERRIDE_TODO if "bounds" in findings else GROUPS_TODO),
+    )
+
+
+STEP_TODO = (
+    "Adam's bias corrections run ahead: resume with the fork, which gives each param its own "
+    "step on load but keeps the saved count (the count itself cannot be repaired), or from a "
+    "checkpoint before the resume; --no-load-optim restarts the moments and the count."
+)
+FSDP_TODO = (
+    "one update was taken before training (0.74x the first real update; with weight decay the "
+    "weights moved before training): the count cannot be repaired; new runs with the fork or "
+    "megatron-core with #5976 (upstream main) do not take it."
+)
+
+
+def check_step(a: Audit) -> Verdict:
+    name, view = "step", a.view
+    steps = step_counts(view.objects, view.regions, _where)
+    it = view.iteration if isinstance(view.iteration, int) else None
+    evidence: dict[str, Any] = {"iteration": it, "steps": dict(steps[:64]), "counts": len(steps)}
+    if not steps:
+        return Verdict(name, OK, "no optimizer step count saved (e.g. SGD).", evidence)
+    values = sorted({s for _, s in steps})
+    if it is None:
+        return Verdict(
+            name,
+            CANNOT_TELL,
+            f"step counts {_names([f'{v:g}' for v in values])}, but no iteration number saved.",
+            evidence,
+            todo="audit the iteration directory megatron/training wrote (iter_NNNNNNN).",
+        )
+    ahead = [(w, s) for w, s in steps if s > it]
+    if not ahead:
+        return Verdict(
+            name,
+            OK,
+            f"{len(steps)} step count(s), at most the {it} iteration(s) trained "
+            f"({_names([f'{v:g}' for v in values])}).",
+            evidence,
+        )
+    details = [f"{w}: step {s:g}" for w, s in ahead]
+    fsdp = (isinstance(a.rec.args, Opaque) and a.rec.args.get("use_megatron_fsdp")) or (
+        "fsdp_dtensor" in a.formats
+    )
+    if all(s == it + 1 for _, s in ahead) and fsdp:
+        return Verdict(
+            name,
+            DAMAGED,
+            f"Adam's step count is {it + 1} after {it} iteration(s) (upstream #5976: "
+            "Megatron-FSDP's fully_shard(model, optimizer) stepped once before training).",
+            evidence,
+            details=details,
+            todo=FSDP_TODO,
+        )
+    return Verdict(
+        name,
+        DAMAGED,
+        f"step counts up to {max(values):g} after {it} iteration(s): "
+        + (
+            "after a resume all params shared one step tensor, advanced once per param per "
+            "iteration (fix 2's per-param step)."
+            if a.formats
+            else "more optimizer steps than iterations (a param in two param groups steps twice "
+            "an iteration: see param-groups)."
+        ),
+        evidence,
+        details=details,
+        todo=STEP_TODO,
+    )
+
+
 # --- the command ----------------------------------------------------------------------------
 
 
@@ -994,7 +1139,13 @@ def audit(path: Path) -> Report:
     try:
         view = read_view(path, files)
         a = Audit(view)
-        verdicts = [check_loss_scale(view), check_param_index(a), check_reshard_padding(a)]
+        verdicts = [
+            check_loss_scale(view),
+            check_param_index(a),
+            check_reshard_padding(a),
+            check_param_groups(a),
+            check_step(a),
+        ]
         return Report(view.path, view.kind, view.iteration, view.note, verdicts)
     except MALFORMED as exc:  # met past the reader's checks: still one line
         why = f"{type(exc).__name__}: {str(exc)[:200]}"

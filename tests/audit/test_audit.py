@@ -93,6 +93,11 @@ def expected(scenario: str, fork: bool, w: Written) -> dict[str, str]:
     """The verdicts a checkpoint of `scenario` must get, from what the writer's tree does."""
     kind = scenario.removeprefix("dp2-").split("-")[0]
     verdicts = {"loss-scale": OK, "param-index": OK, "reshard-padding": OK}
+    verdicts |= {"param-groups": OK, "step": OK}  # one run, never resumed: test_resume_audit.py
+    if kind == "chained" and not fork:
+        # the writer saves iteration 1 after two steps; the dense chain took both (its own
+        # scaler saw no overflow): its step count is one ahead of the saved iteration
+        verdicts["step"] = DAMAGED
     if kind in ("mixed", "pairs") and not w.code("[*model_fp32_params, *model_float16_params]"):
         verdicts["param-index"] = DAMAGED  # the grad-buffer-order index (not #5835's, not ours)
     if kind == "coincide" and not w.code("param_index_layout"):
@@ -173,7 +178,7 @@ def test_verdicts(written, writer, scenario, capsys):
     assert code == (1 if DAMAGED in want.values() else 0)
     check_evidence(scenario, writer.fork, report)
     code_text, out, err = run_audit(path, capsys=capsys)
-    lines = out.splitlines()
+    lines = [line for line in out.splitlines() if not line.startswith(" ")]  # first lines
     assert code_text == code and err == ""
     assert len(lines) == 1 + len(want)  # the checkpoint, then one line per check
     for line, (check, verdict) in zip(lines[1:], want.items(), strict=True):

@@ -347,6 +347,9 @@ SCENARIOS = {
     **{f"dp2-pairs-{fmt}": (2, one_step(Pairs, fmt)) for fmt in FORMATS},
     **{f"big-{fmt}": (1, one_step(Big, fmt)) for fmt in FORMATS},  # bench/audit_memory.py
 }
+from resumes import RESUMES  # noqa: E402 - runs saved, resumed and saved again
+
+SCENARIOS.update(RESUMES)
 # What a version cannot write, in the words of its error (see _support.DISTOPT_UNWRITABLE).
 UNWRITABLE = ("flattened_range is not supported", "Unknown sharding_type", "(torch.Size([]), 0,")
 

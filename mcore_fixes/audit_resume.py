@@ -1,0 +1,193 @@
+"""`audit`'s checks of what a resume leaves in the optimizer: param groups and step counts.
+
+- param-groups (upstream #4705, #5213): the saved optimizer param groups against what the run's
+  saved args and LR/WD scheduler state say they must be. MCore builds one group per distinct
+  setting, so two groups with every setting equal hold another group's (a resume that paired
+  saved and current groups by keys that do not hold their LR bounds: #4705); a group on the
+  default LR schedule runs between the scheduler's bounds (a resume with
+  --override-opt-param-scheduler that kept the saved ones: #5213); each group's weight decay
+  is its wd_mult times the scheduler's at the saved step; where the groups list their params,
+  each param is in exactly one.
+- step (upstream #5976, fix 2's per-param step): Adam's step count of every param is at most
+  the iterations trained (fewer where FP16 skipped steps, or the optimizer was reset), and the
+  same for every param of one optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from .ckptread import LazyTensor, Opaque, walk
+
+OK, DAMAGED, CANNOT_TELL = "ok", "damaged", "cannot tell"
+# What tells param groups apart (ParamGroupOverride's keys and MCore's structural flags)
+SETTINGS = (
+    "max_lr",
+    "min_lr",
+    "start_wd",
+    "end_wd",
+    "wd_mult",
+    "lr_mult",
+    "is_expert_parallel",
+    "is_decoupled_lr",
+    "default_config",
+    "optimizer",
+)
+REL = 1e-6  # float tolerance of recomputed schedule values
+
+
+@dataclass
+class Groups:
+    where: str
+    groups: list[dict]
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, LazyTensor):
+        return value.item() if value.numel == 1 else None
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)) and math.isfinite(float(value)):
+        return float(value)
+    return None
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= REL * max(abs(a), abs(b), 1e-12)
+
+
+def _setting(group: dict, key: str) -> Any:
+    value = group.get(key, group.get(f"pre_{key}"))
+    number = _number(value)
+    return number if number is not None else value if isinstance(value, (str, bool)) else None
+
+
+def param_groups(objects: list[tuple[str, Any]], place) -> list[Groups]:
+    """Every saved list of optimizer param groups (one per optimizer)."""
+    found = []
+    for where, obj in objects:
+        for path, value in walk(obj):
+            if (
+                path
+                and path[-1] == "param_groups"
+                and isinstance(value, list)
+                and value
+                and all(isinstance(g, dict) for g in value)
+            ):
+                found.append(Groups(place(where, path[:-1]), value))
+    return found
+
+
+def scheduler_state(objects: list[tuple[str, Any]]) -> dict | None:
+    for where, obj in objects:
+        if where in ("common_state", "common.pt") or where.endswith("model_optim_rng.pt"):
+            state = obj.get("opt_param_scheduler") if isinstance(obj, dict) else None
+            if isinstance(state, dict):
+                return state
+    return None
+
+
+def scheduled_wd(sched: dict, group: dict) -> float | None:
+    """Weight decay the scheduler sets at its saved step (megatron.core's get_wd)."""
+    steps = _number(sched.get("num_steps", sched.get("num_iters")))
+    start = _number(group.get("start_wd", sched.get("start_wd")))
+    end = _number(group.get("end_wd", sched.get("end_wd")))
+    incr = _number(sched.get("wd_incr_steps"))
+    style = sched.get("wd_incr_style")
+    if None in (steps, start, end) or not isinstance(style, str):
+        return None
+    if style == "constant" or (incr is not None and steps > incr):
+        return end
+    if not incr or style not in ("linear", "cosine"):
+        return None
+    ratio = steps / incr
+    coeff = ratio if style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+    return start + coeff * (end - start)
+
+
+def _label(i: int, group: dict) -> str:
+    bounds = [f"{k} {_setting(group, k):g}" for k in ("max_lr", "min_lr") if _number(group.get(k))]
+    wd = _number(group.get("wd_mult"))
+    return f"group {i} ({', '.join(bounds + ([f'wd_mult {wd:g}'] if wd is not None else []))})"
+
+
+def group_findings(found: Groups, sched: dict | None, args: Any) -> dict[str, list[str]]:
+    """What is wrong with one optimizer's groups: {kind: [evidence lines]}."""
+    groups, where = found.groups, found.where
+    out: dict[str, list[str]] = {"duplicate": [], "bounds": [], "weight_decay": [], "params": []}
+    keys = [tuple((k, _setting(g, k)) for k in SETTINGS) for g in groups]
+    if any(_number(g.get("max_lr")) is not None for g in groups):
+        for key, n in Counter(keys).items():
+            if n > 1:
+                same = [i for i, k in enumerate(keys) if k == key]
+                out["duplicate"].append(
+                    f"{where}: groups {', '.join(map(str, same))} have every setting equal "
+                    f"({_label(same[0], groups[same[0]])})"
+                )
+    if sched is not None:
+        bounds = (_number(sched.get("max_lr")), _number(sched.get("min_lr")))
+        for i, g in enumerate(groups):
+            default = g.get("default_config")
+            if default is None:  # before default_config: groups without an LR override
+                default = g.get("is_decoupled_lr") is False and _setting(g, "lr_mult") == 1.0
+            own = (_number(g.get("max_lr")), _number(g.get("min_lr")))
+            if default is True and None not in own and None not in bounds:
+                if not all(_close(a, b) for a, b in zip(own, bounds, strict=True)):
+                    out["bounds"].append(
+                        f"{where}: {_label(i, g)} is on the default LR schedule, whose bounds "
+                        f"are max_lr {bounds[0]:g}, min_lr {bounds[1]:g} (scheduler state)"
+                    )
+            wd, mult = _number(g.get("weight_decay")), _number(g.get("wd_mult"))
+            expected = scheduled_wd(sched, g)
+            if None not in (wd, mult, expected) and not _close(wd, expected * mult):
+                out["weight_decay"].append(
+                    f"{where}: {_label(i, g)} has weight_decay {wd:g}, the scheduler's "
+                    f"{expected:g} x wd_mult is {expected * mult:g}"
+                )
+    lists = [g.get("params") for g in groups]
+    if all(isinstance(p, list) and all(isinstance(x, int) for x in p) for p in lists):
+        seen = Counter(x for p in lists for x in p)
+        twice = sorted(x for x, n in seen.items() if n > 1)
+        none = sorted(set(range(max(seen, default=-1) + 1)) - set(seen))
+        if twice:
+            out["params"].append(f"{where}: params {_ints(twice)} are in two groups")
+        if none:
+            out["params"].append(f"{where}: params {_ints(none)} are in no group")
+    return {k: v for k, v in out.items() if v}
+
+
+def _ints(items: list[int], shown: int = 8) -> str:
+    head = ", ".join(map(str, items[:shown]))
+    return head + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
+def _arg(args: Any, name: str) -> Any:
+    return args.get(name) if isinstance(args, Opaque) else None
+
+
+# --- step counts --------------------------------------------------------------------------
+
+
+def step_counts(objects: list[tuple[str, Any]], regions: list, place) -> list[tuple[str, float]]:
+    """(where, step) of every saved optimizer step count: per group (DistributedOptimizer),
+    per param (torch Adam's state), shared (common_step), per tensor (model space)."""
+    found = []
+    for where, obj in objects:
+        for path, value in walk(obj):
+            if not path or path[-1] not in ("step", "common_step"):
+                continue
+            parents = {p for p in path if isinstance(p, str)}
+            if not parents & {"param_groups", "state", "optimizer"}:
+                continue
+            number = _number(value)
+            if number is not None:
+                found.append((place(where, path), number))
+    for region in regions:
+        step = region.state == "step" or region.key.rsplit(".", 1)[-1] == "step"
+        if step and region.source.numel == 1:
+            where = region.owner or region.buffer or f"optimizer.state.{region.state}.{region.key}"
+            found.append((f"{region.optimizer}.{where}".lstrip("."), region.source.item()))
+    return found
