@@ -394,21 +394,20 @@ class Verdict:
     todo: str = ""  # what to do (damaged, cannot tell)
 
     def line(self) -> str:
-        text = f"{self.check}: {self.verdict}: {self.summary}"
-        loads = [
-            f"the fork {self.fork}" if self.fork else "",
-            f"stock {self.stock}" if self.stock else "",
-        ]
-        loads = [x for x in loads if x]
-        return text + (f" Loading it: {'; '.join(loads)}." if loads else "")
+        return f"{self.check}: {self.verdict}: {self.summary}"
 
     def lines(self) -> Iterator[str]:
-        """The verdict's line, then its evidence and what to do, indented."""
+        """The verdict's line, then its evidence, what loading it does and what to do,
+        indented."""
         yield self.line()
         for detail in self.details[:SHOWN]:
             yield f"    {detail}"
         if len(self.details) > SHOWN:
             yield f"    and {len(self.details) - SHOWN} more (--json lists all)"
+        loads = [f"the fork {self.fork}" if self.fork else "", f"stock {self.stock}"]
+        loads = [x for x in loads if x != "stock "]
+        if self.verdict != OK and any(loads):
+            yield f"    on load: {'; '.join(x for x in loads if x)}"
         if self.todo:
             yield f"    what to do: {self.todo}"
 
@@ -527,16 +526,18 @@ def check_loss_scale(view: View) -> Verdict:
             f"{len(scalers)} dynamic loss scaler(s), all at ({_fmt_scaler(state)}).",
             evidence,
         )
-    shown = "; ".join(f"{w}: {_fmt_scaler(s)}" for w, s in scalers[:SHOWN])
-    more = f"; and {len(scalers) - SHOWN} more" if len(scalers) > SHOWN else ""
     scales = sorted({s[0] for s in states})
     return Verdict(
         "loss-scale",
         DAMAGED,
-        f"{len(scalers)} dynamic loss scalers of one run differ ({shown}{more}): each optimizer "
-        "backed off on its own overflows, so gradients were unscaled by another scale than the "
-        f"loss was scaled with (scales {', '.join(f'{s:g}' for s in scales)}).",
+        f"{len(scalers)} dynamic loss scalers of one run differ (scales "
+        f"{', '.join(f'{s:g}' for s in scales)}): each optimizer backed off on its own "
+        "overflows (fixes 4 and 1).",
         evidence,
+        details=[f"{w}: {_fmt_scaler(s)}" for w, s in scalers]
+        + ["gradients were unscaled by another scale than the loss was scaled with"],
+        todo="resume with the fork: it reconciles the scalers (nothing else to do); the updates "
+        "already taken with a wrong scale stay in the weights.",
         fork="reconciles them on load (a ChainedOptimizer) or at the first step (MIMO) to the "
         f"smallest scale ({scales[0]:g}), growth_tracker 0 and hysteresis reset, and warns once",
         stock="keeps them diverged",
@@ -749,6 +750,10 @@ FORK_CONVERTS = (
     "reads it in grad-buffer order, as it was written (it has no layout record), so each param "
     "gets its own main param and moments back, and says so"
 )
+UNRECORDED_TODO = (
+    "resume with the fork; if the fork before its layout record or upstream dev wrote it, set "
+    "MCORE_UNRECORDED_PARAM_INDEX_LAYOUT=storage_order."
+)
 FORK_UNRECORDED = (
     "reads it in grad-buffer order (the layout of every release) and says so; "
     "MCORE_UNRECORDED_PARAM_INDEX_LAYOUT=storage_order overrides that for a checkpoint the fork "
@@ -775,6 +780,8 @@ def check_param_index(a: Audit) -> Verdict:
                 f"DistributedOptimizer state in format "
                 f"{_names(a.formats)}, whose main params the audit does not read.",
                 evidence,
+                todo="if a group mixes fp32 and 16-bit params, resume with the fork: it loads "
+                "the releases' layout and records its own from then on.",
             )
         return Verdict(
             name,
@@ -789,6 +796,7 @@ def check_param_index(a: Audit) -> Verdict:
             "the checkpoint holds no model weights to compare the "
             "saved main params with (an optimizer-only save).",
             evidence,
+            todo="audit a checkpoint of the same run that holds the model weights too.",
         )
     loc = a.located()
     classes = {_class(view.units[o].dtype) for o in a.owners()}
@@ -810,24 +818,29 @@ def check_param_index(a: Audit) -> Verdict:
         wrapped_with_the_record=sorted(set(rec.wrapped)),
     )
     if loc.moved:
-        what = (
-            f"{len(loc.moved)} saved main param(s) belong to other params: {_names(loc.moved, 2)}"
-        )
         if marked:
             return Verdict(
                 name,
                 DAMAGED,
-                f"the checkpoint records layout {_names(marked)}, yet {what}.",
+                f"the checkpoint records layout {_names(marked)}, yet {len(loc.moved)} saved main "
+                "param(s) belong to other params.",
                 evidence,
                 fork="loads it as recorded, so permuted",
                 stock="loads it permuted",
+                details=loc.moved,
+                todo="resume with --no-load-optim (the model weights) or from an earlier "
+                "checkpoint.",
             )
         return Verdict(
             name,
             DAMAGED,
-            f"saved through the grad-buffer-order param index of unpatched MCore: {what} (a group "
-            "mixing fp32 and 16-bit params; their moments moved with them).",
+            f"{len(loc.moved)} saved main param(s) belong to other params: saved through the "
+            "grad-buffer-order param index of unpatched MCore (fix 2, a group mixing fp32 and "
+            "16-bit params); their moments moved with them.",
             evidence,
+            details=loc.moved,
+            todo="resume with the fork (it gives each param its own state back) or the release "
+            "that wrote it; convert it with no tool that reads it by model order.",
             fork=FORK_CONVERTS,
             stock="reads it back through the same index (its own round trip is exact); any other "
             "reader gets other params' state",
@@ -881,29 +894,36 @@ def check_param_index(a: Audit) -> Verdict:
             name,
             CANNOT_TELL,
             "storage order or grad-buffer order: the values cannot tell, fp32 and 16-bit params "
-            f"coincide ({_names(hidden, 2)}).",
+            "coincide.",
             evidence,
             fork=FORK_UNRECORDED,
             stock="loads it exactly if stock wrote it",
+            details=[f"equal values: {h}" for h in hidden],
+            todo=UNRECORDED_TODO,
         )
     if loc.unexplained:
         return Verdict(
             name,
             CANNOT_TELL,
             f"{len(loc.unexplained)} saved main param(s) match no model weight in either order "
-            f"({_names(loc.unexplained)}): FP8 params, weights changed after the optimizer "
-            "state (e.g. QK-clip), or another bug.",
+            "(FP8 params, weights changed after the optimizer state, e.g. QK-clip, or another "
+            "bug).",
             evidence,
             fork=FORK_UNRECORDED,
+            details=loc.unexplained,
+            todo=UNRECORDED_TODO,
         )
     return Verdict(
         name,
         OK,
         f"storage order: every main param is its own param's ({loc.checked} tensor(s) checked), "
-        "in a model with fp32 and 16-bit params and no layout record. Stock releases write "
-        "this only where no optimizer group mixes them; the fork before it recorded its layout "
-        "and upstream dev (#5835) write it for every group.",
+        "no layout record.",
         evidence,
+        details=[
+            "stock releases write this only where no optimizer group mixes fp32 and 16-bit "
+            "params; the fork before it recorded its layout and upstream dev (#5835) write it "
+            "for every group"
+        ],
         fork="loads it exactly (its 16-bit main params fit storage order only)",
         stock="(releases, main) loads it exactly if it wrote it; one the fork or dev wrote it "
         "reads permuted where a group mixes fp32 and 16-bit params, silently",
@@ -932,6 +952,9 @@ def check_reshard_padding(a: Audit) -> Verdict:
             + (f"; the exp_avg_sq of {zeros} param(s) ends in zeros" if zeros else "")
             + ".",
             evidence,
+            todo="audit a checkpoint of the same run that holds the model weights too"
+            + ("; if it cannot tell either, resume with --no-load-optim" if zeros else "")
+            + ".",
         )
     loc = a.located()
     evidence.update(main_params=loc.checked, own=loc.own, shifted=loc.shifted, padded=loc.padded)
@@ -941,12 +964,14 @@ def check_reshard_padding(a: Audit) -> Verdict:
             name,
             DAMAGED,
             f"{len(damaged)} of {loc.checked} params saved from a wrong offset (upstream #5077, a "
-            f"model in several buckets): {_names(damaged, 3)}; their moments alike.",
+            "model in several buckets); their moments alike.",
             evidence,
             fork="restores the state as saved (the fix prevents new damage, it cannot repair this "
-            "checkpoint): load the model weights only (megatron/training: --no-load-optim) or "
-            "an earlier checkpoint",
+            "checkpoint)",
             stock="restores the state as saved",
+            details=damaged,
+            todo="resume with --no-load-optim (the model weights only); the fork saves without "
+            "this damage from then on.",
         )
     others = f", {len(loc.moved)} under other params (see param-index)" if loc.moved else ""
     return Verdict(
@@ -962,9 +987,9 @@ def check_reshard_padding(a: Audit) -> Verdict:
 
 GROUPS_TODO = (
     "resume from the last checkpoint saved before the first resume of this run (its groups are "
-    "right) on megatron-core 0.19.0 or later (#4705), where the groups are paired by their LR "
-    "bounds too; this checkpoint's weights and moments are its own, its group settings are not "
-    "(--no-load-optim keeps the weights only). The fork does not repair group settings."
+    "right) on megatron-core 0.19.0 or later, or the fork built on 0.19 (#4705 pairs the groups "
+    "by their LR bounds too); this checkpoint's weights and moments are its own, its group "
+    "settings are not (--no-load-optim keeps the weights only). The fork does not repair them."
 )
 OVERRIDE_TODO = (
     "the groups train at the earlier run's LR bounds, not your --lr/--min-lr: resume on a "

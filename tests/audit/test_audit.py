@@ -177,6 +177,7 @@ def test_verdicts(written, writer, scenario, capsys):
     assert got == want, json.dumps(report, indent=1)
     assert code == (1 if DAMAGED in want.values() else 0)
     check_evidence(scenario, writer.fork, report)
+    assert all(c["what_to_do"] for c in report["checks"] if c["verdict"] != OK), report
     code_text, out, err = run_audit(path, capsys=capsys)
     lines = [line for line in out.splitlines() if not line.startswith(" ")]  # first lines
     assert code_text == code and err == ""
