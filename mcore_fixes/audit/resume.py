@@ -1,4 +1,4 @@
-"""`audit`'s checks of what a resume leaves in the optimizer: param groups and step counts.
+"""param-groups and step: what a resume leaves in the optimizer: param groups and step counts.
 
 - param-groups (upstream #4705, #5213): the saved optimizer param groups against what the run's
   saved args and LR/WD scheduler state say they must be. MCore builds one group per distinct
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .ckptread import LazyTensor, Opaque, walk
+from .param_index import Audit
+from .report import CANNOT_TELL, DAMAGED, OK, Verdict, _names, _where
 
-OK, DAMAGED, CANNOT_TELL = "ok", "damaged", "cannot tell"
 # What tells param groups apart (ParamGroupOverride's keys and MCore's structural flags)
 SETTINGS = (
     "max_lr",
@@ -191,3 +192,142 @@ def step_counts(objects: list[tuple[str, Any]], regions: list, place) -> list[tu
             where = region.owner or region.buffer or f"optimizer.state.{region.state}.{region.key}"
             found.append((f"{region.optimizer}.{where}".lstrip("."), region.source.item()))
     return found
+
+
+# --- param groups and step counts (what a resume leaves) ------------------------------------
+
+GROUPS_TODO = (
+    "resume from the last checkpoint saved before the first resume of this run (its groups are "
+    "right) on megatron-core 0.19.0 or later, or the fork built on 0.19 (#4705 pairs the groups "
+    "by their LR bounds too); this checkpoint's weights and moments are its own, its group "
+    "settings are not (--no-load-optim keeps the weights only). The fork does not repair them."
+)
+OVERRIDE_TODO = (
+    "the groups train at the earlier run's LR bounds, not your --lr/--min-lr: resume on a "
+    "megatron-core with upstream #5213 (upstream dev) with --override-opt-param-scheduler, which "
+    "sets them from the args; without #5213 no flag changes them (the fork does not carry it)."
+)
+
+
+def check_param_groups(a: Audit) -> Verdict:
+    name, view = "param-groups", a.view
+    found = param_groups(view.objects, _where)
+    sched = scheduler_state(view.objects)
+    args = a.rec.args
+    evidence: dict[str, Any] = {"optimizers": len(found), "scheduler": sched}
+    if not found:
+        return Verdict(name, OK, "no optimizer param groups saved.", evidence)
+    findings: dict[str, list[str]] = {}
+    for groups in found:
+        for kind, lines in group_findings(groups, sched, args).items():
+            findings.setdefault(kind, []).extend(lines)
+    evidence.update(findings)
+    override = bool(args.get("override_opt_param_scheduler")) if isinstance(args, Opaque) else False
+    if not findings:
+        what = "LR bounds, weight decay and params" if sched else "settings and params"
+        src = "the saved scheduler state" if sched else "each other (no scheduler state saved)"
+        return Verdict(
+            name,
+            OK,
+            f"{sum(len(g.groups) for g in found)} param group(s) of {len(found)} optimizer(s): "
+            f"{what} agree with {src}.",
+            evidence,
+        )
+    details = [line for lines in findings.values() for line in lines]
+    if "duplicate" in findings or "params" in findings:
+        return Verdict(
+            name,
+            DAMAGED,
+            "param groups hold other groups' settings (upstream #4705: a resume of a run whose "
+            "groups differ only in LR bounds, e.g. --decoupled-lr).",
+            evidence,
+            details=details,
+            todo=GROUPS_TODO,
+        )
+    if "bounds" in findings and override:
+        return Verdict(
+            name,
+            DAMAGED,
+            "param groups kept LR bounds that the scheduler state and args replaced (upstream "
+            "#5213: a resume with --override-opt-param-scheduler).",
+            evidence,
+            details=details,
+            todo=OVERRIDE_TODO,
+        )
+    return Verdict(
+        name,
+        DAMAGED,
+        "param groups disagree with the saved scheduler state (LR bounds or weight decay).",
+        evidence,
+        details=details,
+        todo="check the args this run was resumed with; "
+        + (OVERRIDE_TODO if "bounds" in findings else GROUPS_TODO),
+    )
+
+
+STEP_TODO = (
+    "Adam's bias corrections run ahead: resume with the fork, which gives each param its own "
+    "step on load but keeps the saved count (the count itself cannot be repaired), or from a "
+    "checkpoint before the resume; --no-load-optim restarts the moments and the count."
+)
+FSDP_TODO = (
+    "one update was taken before training (0.74x the first real update; with weight decay the "
+    "weights moved before training): the count cannot be repaired; new runs with the fork or "
+    "megatron-core with #5976 (upstream main) do not take it."
+)
+
+
+def check_step(a: Audit) -> Verdict:
+    name, view = "step", a.view
+    steps = step_counts(view.objects, view.regions, _where)
+    it = view.iteration if isinstance(view.iteration, int) else None
+    evidence: dict[str, Any] = {"iteration": it, "steps": dict(steps[:64]), "counts": len(steps)}
+    if not steps:
+        return Verdict(name, OK, "no optimizer step count saved (e.g. SGD).", evidence)
+    values = sorted({s for _, s in steps})
+    if it is None:
+        return Verdict(
+            name,
+            CANNOT_TELL,
+            f"step counts {_names([f'{v:g}' for v in values])}, but no iteration number saved.",
+            evidence,
+            todo="audit the iteration directory megatron/training wrote (iter_NNNNNNN).",
+        )
+    ahead = [(w, s) for w, s in steps if s > it]
+    if not ahead:
+        return Verdict(
+            name,
+            OK,
+            f"{len(steps)} step count(s), at most the {it} iteration(s) trained "
+            f"({_names([f'{v:g}' for v in values])}).",
+            evidence,
+        )
+    details = [f"{w}: step {s:g}" for w, s in ahead]
+    fsdp = (isinstance(a.rec.args, Opaque) and a.rec.args.get("use_megatron_fsdp")) or (
+        "fsdp_dtensor" in a.formats
+    )
+    if all(s == it + 1 for _, s in ahead) and fsdp:
+        return Verdict(
+            name,
+            DAMAGED,
+            f"Adam's step count is {it + 1} after {it} iteration(s) (upstream #5976: "
+            "Megatron-FSDP's fully_shard(model, optimizer) stepped once before training).",
+            evidence,
+            details=details,
+            todo=FSDP_TODO,
+        )
+    return Verdict(
+        name,
+        DAMAGED,
+        f"step counts up to {max(values):g} after {it} iteration(s): "
+        + (
+            "after a resume all params shared one step tensor, advanced once per param per "
+            "iteration (fix 2's per-param step)."
+            if a.formats
+            else "more optimizer steps than iterations (a param in two param groups steps twice "
+            "an iteration: see param-groups)."
+        ),
+        evidence,
+        details=details,
+        todo=STEP_TODO,
+    )
