@@ -324,10 +324,21 @@ def check_step(a: Audit) -> Verdict:
             "after a resume all params shared one step tensor, advanced once per param per "
             "iteration (fix 2's per-param step)."
             if a.formats
-            else "more optimizer steps than iterations (a param in two param groups steps twice "
-            "an iteration: see param-groups)."
+            else "a param in two param groups steps twice an iteration (upstream #4705: see "
+            "param-groups)."
+            if _in_two_groups(view)
+            else "more optimizer steps than iterations."
         ),
         evidence,
         details=details,
         todo=STEP_TODO,
+    )
+
+
+def _in_two_groups(view) -> bool:
+    """Whether a saved optimizer lists a param in two of its groups."""
+    return any(
+        "in two groups" in line
+        for found in param_groups(view.objects, _where)
+        for line in group_findings(found, None, None).get("params", [])
     )

@@ -41,7 +41,7 @@ def expected(writer: Writer, scenario: str) -> dict[str, tuple[str, str]]:
     if scenario.startswith("decoupled-") and writer.baseline == "0.18.2":  # no #4705 here
         want["param-groups"] = (DAMAGED, "#4705")
         if scenario.endswith("legacy-bf16"):  # params in two groups step twice
-            want["step"] = (DAMAGED, "param groups")
+            want["step"] = (DAMAGED, "#4705")
     if scenario.startswith("override-") and writer.baseline != "dev":  # #5213: dev only
         want["param-groups"] = (DAMAGED, "#5213")
     if shared_step:  # fix 2's per-param step: the fork gives each param its own on load
