@@ -152,7 +152,10 @@ def group_findings(found: Groups, sched: dict | None, args: Any) -> dict[str, li
     if all(isinstance(p, list) and all(isinstance(x, int) for x in p) for p in lists):
         seen = Counter(x for p in lists for x in p)
         twice = sorted(x for x, n in seen.items() if n > 1)
-        none = sorted(set(range(max(seen, default=-1) + 1)) - set(seen))
+        # indices 0..n-1 of the optimizer's params: those below the highest that no group
+        # lists (an index far past the number listed is no param index: nothing to say)
+        top = max(seen, default=-1)
+        none = sorted(set(range(top + 1)) - set(seen)) if 0 <= top < 2 * len(seen) + 1024 else []
         if twice:
             out["params"].append(f"{where}: params {_ints(twice)} are in two groups")
         if none:
