@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ SETTINGS = (
     "optimizer",
 )
 REL = 1e-6  # float tolerance of recomputed schedule values
+_FLAT_GROUP = re.compile(r"^(?P<opt>.*?)param_groups\.(?P<i>[0-9]{1,6})\.(?P<key>[^.]+)$")
 
 
 @dataclass
@@ -79,6 +81,15 @@ def param_groups(objects: list[tuple[str, Any]], place) -> list[Groups]:
                 and all(isinstance(g, dict) for g in value)
             ):
                 found.append(Groups(place(where, path[:-1]), value))
+    # torch DCP (fsdp_dtensor) saves each setting of a group as an object of its own:
+    # "optimizer.param_groups.0.lr"
+    flat: dict[str, dict[int, dict]] = {}
+    for where, obj in objects:
+        m = _FLAT_GROUP.match(where)
+        if m and len(flat) < 64 and int(m["i"]) < 4096:
+            flat.setdefault(m["opt"], {}).setdefault(int(m["i"]), {})[m["key"]] = obj
+    for opt, groups in flat.items():
+        found.append(Groups(f"{opt}param_groups", [groups[i] for i in sorted(groups)]))
     return found
 
 
