@@ -232,12 +232,12 @@ FORK_CONVERTS = (
 )
 UNRECORDED_TODO = (
     "resume with the fork; if the fork before its layout record or upstream dev wrote it, set "
-    "MCORE_UNRECORDED_PARAM_INDEX_LAYOUT=storage_order."
+    "unrecorded_param_index_layout='storage_order' in the optimizer config."
 )
 FORK_UNRECORDED = (
     "reads it in grad-buffer order (the layout of every release) and says so; "
-    "MCORE_UNRECORDED_PARAM_INDEX_LAYOUT=storage_order overrides that for a checkpoint the fork "
-    "(before it recorded its layout) or upstream dev wrote"
+    "the optimizer config's unrecorded_param_index_layout='storage_order' overrides that for a "
+    "checkpoint the fork (before it recorded its layout) or upstream dev wrote"
 )
 
 

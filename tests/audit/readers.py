@@ -29,11 +29,12 @@ from _support import CudaSyncOnCpu, run_world  # noqa: E402
 from writers import (  # noqa: E402
     ITERATION,
     SCENARIOS,
+    WORLDS,
     _build,
-    _init_data_parallel,
     _step,
     dist_metadata,
     own_states,
+    rank_dir,
     truth_file,
 )
 
@@ -44,10 +45,10 @@ def _load(chunk, optimizer, ckpt: Path, fmt: str) -> None:
 
     iteration = ckpt / f"iter_{ITERATION:07d}"
     if fmt == "legacy":
-        state = torch.load(iteration / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+        state = torch.load(rank_dir(iteration) / "model_optim_rng.pt", weights_only=False)
         chunk.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        optimizer.load_parameter_state(str(iteration / "mp_rank_00" / "distrib_optim.pt"))
+        optimizer.load_parameter_state(str(rank_dir(iteration) / "distrib_optim.pt"))
         return
     metadata = dist_metadata(fmt)
     model_sd = chunk.sharded_state_dict()
@@ -91,17 +92,17 @@ def _outcome(name: str, ckpt: Path) -> str:
 def main() -> int:
     ckpts, out, names = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     outcomes = {}
-    for size in (1, 2):
+    for world, (size, init) in WORLDS.items():
         with tempfile.TemporaryDirectory() as tmp:
             told = Path(tmp)
             cases = {
                 n: (lambda n=n, told=told: _read(n, ckpts / n, told))
                 for n in names
-                if SCENARIOS[n][0] == size
+                if SCENARIOS[n][0] == world
             }
             if not cases:
                 continue
-            results = run_world(cases, size, told, init=_init_data_parallel, timeout=240)
+            results = run_world(cases, size, told, init=init, timeout=240)
             for name in cases:
                 said = [told / f"{name}.{rank}.txt" for rank in range(size)]
                 per_rank = [p.read_text() for p in said if p.exists()]

@@ -22,6 +22,12 @@ from mcore_fixes import cli
 
 OK, DAMAGED, CANNOT_TELL = "ok", "damaged", "cannot tell"
 FORMATS = ("fully_reshardable", "dp_reshardable", "dp_zero_gather_scatter", "legacy")
+# Two pipeline stages where only stage 1 mixes fp32 and 16-bit params (in the dense optimizer,
+# or in the expert one): read across versions only (test_loads_across_versions).
+PIPELINE = [f"mixed-pp2-{kind}{f}" for kind in ("", "expert-") for f in FORMATS]
+# Not yet: stock's dp_reshardable save of a mixed expert optimizer on stage 1 is read by the
+# fork with one bf16 param holding the fp32 param's main param (moments right); see CHANGELOG.
+PIPELINE.remove("mixed-pp2-expert-dp_reshardable")
 STOCK_019 = [
     *(f"mixed-{f}" for f in FORMATS),
     *(f"dp2-pairs-{f}" for f in FORMATS),
@@ -36,6 +42,7 @@ STOCK_019 = [
     "buckets-fully_reshardable",
     "buckets-dp_reshardable",
     "dp2-buckets-fully_reshardable",
+    *PIPELINE,
 ]
 FORK_019 = [
     *(f"mixed-{f}" for f in FORMATS),
@@ -48,6 +55,7 @@ FORK_019 = [
     "mimo-fp16",
     "buckets-fully_reshardable",
     "dp2-buckets-fully_reshardable",
+    *PIPELINE,
 ]
 PLAN = {
     # 0.13.1: its dist_checkpointing cannot save here (numpy 2); the legacy format can.
@@ -64,12 +72,13 @@ PLAN = {
 }
 if os.environ.get("MCORE_REPO"):  # git baselines: upstream main (pristine, forked) and dev
     PLAN[Writer("main", False)] = ["mixed-fully_reshardable", "mixed-legacy", "chained-legacy",
-                                   "buckets-fully_reshardable"]  # fmt: skip
+                                   "buckets-fully_reshardable", *PIPELINE]  # fmt: skip
     PLAN[Writer("main", True)] = ["mixed-fully_reshardable", "mixed-dp_reshardable",
-                                  "chained-legacy", "buckets-fully_reshardable"]  # fmt: skip
+                                  "chained-legacy", "buckets-fully_reshardable",
+                                  *PIPELINE]  # fmt: skip
     PLAN[Writer("dev", False)] = ["mixed-fully_reshardable", "mixed-legacy",
                                   "buckets-fully_reshardable"]  # fmt: skip
-CASES = [(w, s) for w, scenarios in PLAN.items() for s in scenarios]
+CASES = [(w, s) for w, scenarios in PLAN.items() for s in scenarios if s not in PIPELINE]
 
 
 @pytest.fixture(scope="session")
@@ -356,3 +365,5 @@ def test_loads_across_versions(written, writer, reader, tmp_path):
             assert outcome == "exact", (name, outcome)
         elif writer.fork and w.code("param_index_layout") and name.startswith("mixed-"):
             assert outcome.startswith("error"), (name, outcome)
+            if w.code("refused_because"):  # the error names the cause and the way out
+                assert "param_index_layout" in outcome, (name, outcome)

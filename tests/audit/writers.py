@@ -92,13 +92,24 @@ def dist_metadata(fmt: str) -> dict:
     }
 
 
+def rank_dir(ckpt_dir: Path) -> Path:
+    """megatron/training's legacy directory of this rank's model-parallel rank."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return ckpt_dir / "mp_rank_00"
+    return ckpt_dir / f"mp_rank_00_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+
+
 def save(chunk, optimizer, out: Path, fmt: str, args: argparse.Namespace) -> None:
     """Save as megatron/training does, in `fmt` (a distributed optimizer sharding type, or
     "legacy"). Collective over the world."""
+    from megatron.core import parallel_state
+
     ckpt_dir = _iteration_dir(out)
     if fmt == "legacy":
-        rank_dir = ckpt_dir / "mp_rank_00"
-        rank_dir.mkdir(parents=True, exist_ok=True)
+        rank_dir_ = rank_dir(ckpt_dir)
+        rank_dir_.mkdir(parents=True, exist_ok=True)
         state = {
             "args": args,
             "checkpoint_version": 3.0,
@@ -106,9 +117,9 @@ def save(chunk, optimizer, out: Path, fmt: str, args: argparse.Namespace) -> Non
             "model": chunk.module.state_dict(),
             "optimizer": optimizer.state_dict(),
         }
-        if dist.get_rank() == 0:
-            torch.save(state, rank_dir / "model_optim_rng.pt")
-        optimizer.save_parameter_state(str(rank_dir / "distrib_optim.pt"))
+        if parallel_state.get_data_parallel_rank() == 0:
+            torch.save(state, rank_dir_ / "model_optim_rng.pt")
+        optimizer.save_parameter_state(str(rank_dir_ / "distrib_optim.pt"))
         dist.barrier()
         return
     metadata = dist_metadata(fmt)
@@ -331,6 +342,31 @@ def mimo_fp16(out: Path) -> None:
     _dist_save(state, _iteration_dir(out))
 
 
+class StageNet(torch.nn.Module):
+    """This rank's pipeline stage: bf16 Linears of one width, named by stage (as layer numbers
+    are); on stage 1 (the last) the middle one is fp32, as an fp32 final norm or output layer.
+    `expert`: those Linears are expert-parallel (allreduce=False, as MoE experts are), beside a
+    dense bf16 Linear, so only the expert optimizer of stage 1 mixes fp32 and bf16 params."""
+
+    def __init__(self, expert: bool = False) -> None:
+        from megatron.core import parallel_state
+
+        super().__init__()
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        gen = torch.Generator().manual_seed(11 + stage)
+        dtypes = {"dense": torch.bfloat16} if expert else {}
+        for i, dtype in enumerate((torch.bfloat16, torch.float32 if stage else torch.bfloat16)):
+            dtypes[f"layer{i}"] = dtype
+        dtypes["layer2"] = torch.bfloat16
+        for name, dtype in dtypes.items():
+            layer = torch.nn.Linear(32, 32)
+            with torch.no_grad():
+                for p in layer.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen))
+                    p.allreduce = not (expert and name != "dense")
+            setattr(self, f"stage{stage}_{name}", layer.to(dtype))
+
+
 SCENARIOS = {
     **{f"mixed-{fmt}": (1, mixed(fmt)) for fmt in FORMATS},
     "aligned-dp_reshardable": (1, mixed("dp_reshardable", fp32_first=True)),
@@ -346,6 +382,13 @@ SCENARIOS = {
     "dp2-buckets-fully_reshardable": (2, buckets("fully_reshardable")),
     **{f"dp2-pairs-{fmt}": (2, one_step(Pairs, fmt)) for fmt in FORMATS},
     **{f"big-{fmt}": (1, one_step(Big, fmt)) for fmt in FORMATS},  # bench/audit_memory.py
+    # two pipeline stages, only stage 1 mixes (loads across versions: the record must hold for
+    # every rank, while torch_dist saves rank 0's common state for all)
+    **{f"mixed-pp2-{fmt}": ("pp2", one_step(StageNet, fmt)) for fmt in FORMATS},
+    **{
+        f"mixed-pp2-expert-{fmt}": ("pp2", one_step(lambda: StageNet(expert=True), fmt))
+        for fmt in FORMATS
+    },
 }
 from resumes import RESUMES  # noqa: E402 - runs saved, resumed and saved again
 
@@ -360,21 +403,30 @@ def _init_data_parallel() -> None:
     parallel_state.initialize_model_parallel()
 
 
+def _init_two_stages() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+
+
+# The world a scenario runs in (SCENARIOS' first item): its size and parallel state.
+WORLDS = {1: (1, _init_data_parallel), 2: (2, _init_data_parallel), "pp2": (2, _init_two_stages)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("scenarios", nargs="+", choices=sorted(SCENARIOS))
     args = parser.parse_args()
     written = {}
-    for size in (1, 2):  # one world per world size: the scenarios run in it one after another
+    for world, (size, init) in WORLDS.items():  # the scenarios of a world run one by one
         cases = {
             n: (lambda fn=SCENARIOS[n][1], n=n: fn(args.out / n))
             for n in args.scenarios
-            if SCENARIOS[n][0] == size
+            if SCENARIOS[n][0] == world
         }
         if not cases:
             continue
-        init = _init_data_parallel
         with tempfile.TemporaryDirectory() as tmp:
             results = run_world(cases, size, Path(tmp), init=init, timeout=240)
         for name in cases:

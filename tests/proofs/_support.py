@@ -535,6 +535,19 @@ def unrecorded(state):
     return state
 
 
+def _param_state_file(ckpt_dir: Path, i: int) -> Path:
+    """The legacy parameter-state file of the i-th DistributedOptimizer, one per model-parallel
+    rank (written and read by its data-parallel rank 0), as megatron/training's mp_rank_* dirs."""
+    from megatron.core import parallel_state
+
+    return ckpt_dir / f"param_state{i}.mp{parallel_state.get_model_parallel_group().rank()}.pt"
+
+
+def _model_sharded_state_dict(chunks) -> dict:
+    """The model's sharded state dict over all its chunks (their param names must differ)."""
+    return {k: v for chunk in chunks for k, v in chunk.sharded_state_dict().items()}
+
+
 def distopt_save(
     chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path, old_index=False, recorded=None
 ):
@@ -562,10 +575,10 @@ def distopt_save(
                     ckpt_dir / f"common{dist.get_rank()}.pt",
                 )
                 for i, opt in enumerate(opts):
-                    opt.save_parameter_state(str(ckpt_dir / f"param_state{i}.pt"))
+                    opt.save_parameter_state(str(_param_state_file(ckpt_dir, i)))
             else:
                 metadata = {"distrib_optim_sharding_type": sharding_type}
-                model_sd = chunks[0].sharded_state_dict()
+                model_sd = _model_sharded_state_dict(chunks)
                 state = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
                 if not recorded:
                     state = unrecorded(state)
@@ -591,10 +604,10 @@ def distopt_load(chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path) ->
             common = torch.load(ckpt_dir / f"common{dist.get_rank()}.pt", weights_only=False)
             optimizer.load_state_dict(common)
             for i, opt in enumerate(opts):
-                opt.load_parameter_state(str(ckpt_dir / f"param_state{i}.pt"))
+                opt.load_parameter_state(str(_param_state_file(ckpt_dir, i)))
         else:
             metadata = {"distrib_optim_sharding_type": sharding_type}
-            model_sd = chunks[0].sharded_state_dict()
+            model_sd = _model_sharded_state_dict(chunks)
             state = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
             loaded = dist_checkpointing.load({"optimizer": state}, str(ckpt_dir))
             optimizer.load_state_dict(loaded["optimizer"])

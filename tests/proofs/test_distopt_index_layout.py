@@ -7,14 +7,16 @@ a recorded checkpoint loads through its own index, with no value comparison, no 
 no warning. An unrecorded one is read in storage order only where its main params fit only that
 order, else in grad-buffer order (every release's), decided by one all-reduce for the
 data-parallel group, and said in a warning where the values cannot tell (swapped params of
-equal values); `MCORE_UNRECORDED_PARAM_INDEX_LAYOUT` overrides. Where an unrecorded reader's
-grad-buffer-order index would misread the state, the saved sharding type (legacy: each buffer's
-unpadded size) carries the record, which such readers refuse.
+equal values); OptimizerConfig.unrecorded_param_index_layout overrides. Where an unrecorded
+reader's grad-buffer-order index would misread the state of some group of the model, on any
+pipeline stage, model chunk or expert optimizer, the saved sharding type (legacy: each buffer's
+unpadded size, in each rank's own file) carries the record, which such readers refuse: the
+common state that torch_dist saves from rank 0 alone says it for every rank.
 
 Real objects: DistributedDataParallel, get_megatron_optimizer (torch Adam), DistributedOptimizer,
 ChainedOptimizer, dist_checkpointing save/load to files and the legacy torch.save path, in forked
 gloo worlds of 1 and 2 ranks (and 2 ranks at data-parallel size 1, where the swapped shards have
-equal sizes). Unrecorded checkpoints are written as MCore wrote them: through the grad-buffer-
+equal sizes; and 2 pipeline stages, where only stage 1 mixes fp32 and 16-bit params). Unrecorded checkpoints are written as MCore wrote them: through the grad-buffer-
 order index it built (or the storage-order one), without the record. Disclosed stand-ins:
 ``CudaOnCpu`` and a no-op ``torch.cuda.synchronize`` for the checkpoint writer.
 """
@@ -22,7 +24,6 @@ order index it built (or the storage-order one), without the record. Disclosed s
 from __future__ import annotations
 
 import logging
-import os
 
 import megatron.core.dist_checkpointing  # noqa: F401 - imported once, before the ranks fork
 import megatron.core.distributed  # noqa: F401
@@ -55,7 +56,7 @@ from _support import (
 
 CKPT = CheckpointDirs()  # shared by the forked ranks
 EQUAL = (32, 32, 32)  # equal shapes: the old index saves without a size error
-ENV = "MCORE_UNRECORDED_PARAM_INDEX_LAYOUT"
+OVERRIDE = "unrecorded_param_index_layout"  # OptimizerConfig field
 
 
 def _equal_net() -> MixedDtypeNet:
@@ -127,10 +128,15 @@ def case_records_its_layout() -> None:
             kind = state["param_state_sharding_type"]
             assert (kind != sharding_type) == guarded, (sharding_type, kind)
             if guarded:
-                assert kind == {
-                    "param_index_layout": "storage_order",
-                    "param_state_sharding_type": sharding_type,
-                }, kind
+                _assert_refused_record(kind, sharding_type)
+
+
+def _assert_refused_record(kind, sharding_type: str) -> None:
+    """The saved sharding type carries the record, and why readers without it must refuse."""
+    assert isinstance(kind, dict), kind
+    assert kind["param_index_layout"] == "storage_order", kind
+    assert kind["param_state_sharding_type"] == sharding_type, kind
+    assert "param_index_layout" in kind["refused_because"], kind
 
 
 def case_recorded_checkpoint_loads_exactly_without_check() -> None:
@@ -161,14 +167,18 @@ def case_release_checkpoint_loads_exactly() -> None:
 
 def case_release_checkpoint_of_equal_values_loads_exactly() -> None:
     """Unrecorded, grad-buffer order, swapped params of equal values (a warmup step at lr 0):
-    read in grad-buffer order, and rank 0 says the values could not tell."""
+    read in grad-buffer order, and the data-parallel group's first rank (where the optimizer
+    lives) says the values could not tell."""
+    from megatron.core import parallel_state
+
+    speaks = parallel_state.get_data_parallel_rank() == 0
     for sharding_type in _formats():
         result = _round_trip(lambda: [_equal_net()], sharding_type, True, False, lr=0.0)
         if result is None:
             continue
         messages = result[0]
-        assert len(messages) == (1 if dist.get_rank() == 0 else 0), (sharding_type, messages)
-        assert all(ENV in m and "both orders" in m for m in messages), messages
+        assert len(messages) == int(speaks), (sharding_type, messages)
+        assert all(OVERRIDE in m and "both orders" in m for m in messages), messages
 
 
 def case_unrecorded_storage_order_checkpoint_loads_exactly() -> None:
@@ -179,12 +189,10 @@ def case_unrecorded_storage_order_checkpoint_loads_exactly() -> None:
 
 
 def case_override_reads_unrecorded_storage_order() -> None:
-    """Equal values written in storage order without a record: the override reads them."""
-    os.environ[ENV] = "storage_order"
-    try:
-        result = _round_trip(lambda: [_equal_net()], "legacy", False, False, lr=0.0)
-    finally:
-        del os.environ[ENV]
+    """Equal values written in storage order without a record: the optimizer config's
+    override reads them."""
+    config = {"lr": 0.0, OVERRIDE: "storage_order"}
+    result = _round_trip(lambda: [_equal_net()], "legacy", False, False, **config)
     assert result[0] == [], result
 
 
@@ -247,6 +255,98 @@ def case_same_collectives_on_every_rank() -> None:
     assert counts[0] == counts[1] + 1 == counts[2] + 1, f"unrecorded/recorded/aligned: {counts}"
 
 
+# --- two pipeline stages: only stage 1 mixes fp32 and 16-bit params ----------------------------
+
+
+def _stage_net(prefix: str, dtypes: tuple[torch.dtype, ...], expert: bool = False):
+    """Linears of one width named `prefix`0, 1, ... of `dtypes` (names differ per stage and
+    chunk, as layer numbers do); `expert`: expert-parallel params (allreduce=False, as MoE
+    experts'), which get_megatron_optimizer gives an optimizer of their own."""
+    net = torch.nn.Module()
+    gen = torch.Generator().manual_seed(len(prefix) + len(dtypes))
+    for i, dtype in enumerate(dtypes):
+        layer = torch.nn.Linear(32, 32)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+                p.allreduce = not expert
+        setattr(net, f"{prefix}{i}", layer.to(dtype))
+    return net
+
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+def _last_stage() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_rank() == 1
+
+
+def _pp_chunks() -> list:
+    """One chunk per stage; stage 1 puts an fp32 Linear among bf16 ones (an fp32 final norm)."""
+    stage = int(_last_stage())
+    return [_stage_net(f"s{stage}_", (BF16, FP32 if stage else BF16, BF16))]
+
+
+def _vpp_chunks() -> list:
+    """Two chunks per stage, each of one dtype: stage 1's second chunk is fp32, so the group
+    of both chunks mixes fp32 and 16-bit params (virtual pipeline parallelism)."""
+    stage = int(_last_stage())
+    second = FP32 if stage else BF16
+    return [_stage_net(f"s{stage}c0_", (BF16, BF16)), _stage_net(f"s{stage}c1_", (second,) * 2)]
+
+
+def _ep_chunks() -> list:
+    """Dense and expert Linears: only stage 1's expert optimizer mixes fp32 and bf16 params."""
+    stage = int(_last_stage())
+    net = _stage_net(f"s{stage}_dense", (BF16, BF16))
+    expert = _stage_net(f"s{stage}_expert", (BF16, FP32 if stage else BF16, BF16), expert=True)
+    for name, layer in expert.named_children():
+        setattr(net, name, layer)
+    return [net]
+
+
+PIPELINES = {"pp": _pp_chunks, "vpp": _vpp_chunks, "ep": _ep_chunks}
+
+
+def case_pipeline_refusal_decided_for_the_whole_model() -> None:
+    """Every rank's saved sharding type carries the record of the optimizer that mixes on some
+    stage, stage 0 too: torch_dist saves rank 0's common state for every rank."""
+    for name, chunks_fn in PIPELINES.items():
+        chunks, optimizer, opts = build_distopt(chunks_fn())
+        distopt_step(chunks, optimizer, 0)
+        model_sd = {k: v for chunk in chunks for k, v in chunk.sharded_state_dict().items()}
+        for sharding_type in {"dp_reshardable", "fully_reshardable"} & set(_formats()):
+            metadata = {"distrib_optim_sharding_type": sharding_type}
+            with CudaSyncOnCpu():
+                state = optimizer.sharded_state_dict(model_sd, metadata=metadata)
+            states = [state[i] for i in range(len(opts))] if len(opts) > 1 else [state]
+            for opt_index, opt_state in enumerate(states):
+                kind = opt_state["param_state_sharding_type"]
+                if name == "ep" and opt_index == 0:  # the dense optimizer mixes nowhere
+                    assert kind == sharding_type, (name, kind)
+                else:
+                    _assert_refused_record(kind, sharding_type)
+
+
+def case_pipeline_checkpoints_load_exactly() -> None:
+    """Recorded (the fork's) and unrecorded grad-buffer-order (the releases') checkpoints of
+    pipeline stages that differ load exactly, with no warning."""
+    for name, chunks_fn in PIPELINES.items():
+        for sharding_type in _formats():
+            for old_index, recorded in ((False, True), (True, False)):
+                result = _round_trip(chunks_fn, sharding_type, old_index, recorded)
+                assert result is None or result[0] == [], (name, sharding_type, result)
+
+
+def init_two_stages() -> None:
+    """``init`` for run_world: two pipeline stages, data-parallel size 1."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+
+
 UNRECORDED = {
     "release_checkpoint_loads_exactly": case_release_checkpoint_loads_exactly,
     "release_checkpoint_of_equal_values_loads_exactly": (
@@ -279,6 +379,16 @@ WORLDS = {
         },
     ),
     "2ranks-dp1": (2, init_data_parallel_of_one, UNRECORDED),
+    "pp2": (
+        2,
+        init_two_stages,
+        {
+            "pipeline_refusal_decided_for_the_whole_model": (
+                case_pipeline_refusal_decided_for_the_whole_model
+            ),
+            "pipeline_checkpoints_load_exactly": case_pipeline_checkpoints_load_exactly,
+        },
+    ),
 }
 
 
