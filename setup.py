@@ -161,7 +161,9 @@ setup(
     python_requires=base["requires-python"],
     install_requires=requirements(base),
     extras_require=base["optional-dependencies"],
-    packages=find_namespace_packages(include=["megatron.core", "megatron.core.*", "mcore_fixes"]),
+    packages=find_namespace_packages(
+        include=["megatron.core", "megatron.core.*", "mcore_fixes", "mcore_fixes.audit"]
+    ),
     package_data=package_data(ROOT / "megatron" / "core"),
     ext_modules=[helpers_extension()],
     cmdclass={"build_py": BuildPyWithSeries},

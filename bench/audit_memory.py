@@ -25,7 +25,8 @@ FORMATS = ("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter", "leg
 def optimizer_bytes(ckpt: Path) -> int:
     """Bytes of the optimizer state tensors the checkpoint holds (fp32)."""
     sys.path.insert(0, str(ROOT))
-    from mcore_fixes import audit, ckptread
+    from mcore_fixes import audit
+    from mcore_fixes.audit import ckptread
 
     files = ckptread.Files()
     try:

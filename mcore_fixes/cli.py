@@ -483,7 +483,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    """Whether a checkpoint carries the damage of the series' bugs (see mcore_fixes/audit.py)."""
+    """Whether a checkpoint carries the damage of the series' bugs (see mcore_fixes/audit/)."""
     try:
         report = _audit_report(Path(args.checkpoint))
     except (UserError, OSError) as exc:  # --json: JSON still, with the one line (on stderr)

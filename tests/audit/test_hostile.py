@@ -22,8 +22,8 @@ import pytest
 from conftest import ROOT
 from hostile import Build, Global, Raw, Reduce, dumps, metadata, obj, tensor, torch_save
 
-from mcore_fixes import ckptread
-from mcore_fixes.ckptread import PICKLE_MAX
+from mcore_fixes.audit import ckptread
+from mcore_fixes.audit.ckptread import PICKLE_MAX
 
 LIMIT_AS = 2 << 30  # bytes of address space a run may take (numpy alone needs a few hundred MB)
 

@@ -390,6 +390,9 @@ SCENARIOS = {
         for fmt in FORMATS
     },
 }
+from resumes import RESUMES  # noqa: E402 - runs saved, resumed and saved again
+
+SCENARIOS.update(RESUMES)
 # What a version cannot write, in the words of its error (see _support.DISTOPT_UNWRITABLE).
 UNWRITABLE = ("flattened_range is not supported", "Unknown sharding_type", "(torch.Size([]), 0,")
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UserError
+from ..errors import UserError
 
 ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_MAX = 512 << 20  # bytes of one pickle (`.metadata`, a `data.pkl`)
