@@ -311,6 +311,20 @@ def _ep_chunks() -> list:
 PIPELINES = {"pp": _pp_chunks, "vpp": _vpp_chunks, "ep": _ep_chunks}
 
 
+def _on_every_rank(check, what: str) -> None:
+    """Run `check` on every rank and fail on every rank where it failed on one: a rank that
+    went on alone would wait in the next collective for one that stopped."""
+    try:
+        check()
+        error = ""
+    except Exception as e:  # noqa: BLE001 - reported below, on every rank
+        error = f"{type(e).__name__}: {e}"
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = {rank: e for rank, e in enumerate(errors) if e}
+    assert not failed, f"{what}: {failed}"
+
+
 def case_pipeline_refusal_decided_for_the_whole_model() -> None:
     """Every rank's saved sharding type carries the record of the optimizer that mixes on some
     stage, stage 0 too: torch_dist saves rank 0's common state for every rank."""
@@ -323,22 +337,31 @@ def case_pipeline_refusal_decided_for_the_whole_model() -> None:
             with CudaSyncOnCpu():
                 state = optimizer.sharded_state_dict(model_sd, metadata=metadata)
             states = [state[i] for i in range(len(opts))] if len(opts) > 1 else [state]
-            for opt_index, opt_state in enumerate(states):
-                kind = opt_state["param_state_sharding_type"]
-                if name == "ep" and opt_index == 0:  # the dense optimizer mixes nowhere
-                    assert kind == sharding_type, (name, kind)
-                else:
-                    _assert_refused_record(kind, sharding_type)
+
+            def check(states=states, sharding_type=sharding_type, name=name) -> None:
+                for opt_index, opt_state in enumerate(states):
+                    kind = opt_state["param_state_sharding_type"]
+                    if name == "ep" and opt_index == 0:  # the dense optimizer mixes nowhere
+                        assert kind == sharding_type, (name, kind)
+                    else:
+                        _assert_refused_record(kind, sharding_type)
+
+            _on_every_rank(check, f"{name}, {sharding_type}")
 
 
 def case_pipeline_checkpoints_load_exactly() -> None:
     """Recorded (the fork's) and unrecorded grad-buffer-order (the releases') checkpoints of
     pipeline stages that differ load exactly, with no warning."""
-    for name, chunks_fn in PIPELINES.items():
-        for sharding_type in _formats():
+    for name in ("pp", "ep"):  # two chunks per stage: the refusal case above
+        chunks_fn = PIPELINES[name]
+        for sharding_type in {"dp_reshardable", "fully_reshardable", "legacy"} & set(_formats()):
             for old_index, recorded in ((False, True), (True, False)):
-                result = _round_trip(chunks_fn, sharding_type, old_index, recorded)
-                assert result is None or result[0] == [], (name, sharding_type, result)
+
+                def check(fn=chunks_fn, kind=sharding_type, old=old_index, rec=recorded) -> None:
+                    result = _round_trip(fn, kind, old, rec)
+                    assert result is None or result[0] == [], result
+
+                _on_every_rank(check, f"{name}, {sharding_type}, recorded={recorded}")
 
 
 def init_two_stages() -> None:
