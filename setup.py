@@ -127,9 +127,12 @@ class BuildPyWithSeries(build_py):
 def requirements(base: dict) -> list[str]:
     """The base's requirements but torch: pip must neither pull a torch (a multi-GB CUDA build)
     nor replace the user's (a CUDA or NGC build: `2.6.0a0+...` fails `torch>=2.6.0`). The
-    environment brings torch first (docs/install.md)."""
+    environment brings torch first (docs/install.md); psutil is added (it pulls no torch)."""
     name = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
-    return [r for r in base["dependencies"] if name.match(r).group(1).lower() != "torch"]
+    kept = [r for r in base["dependencies"] if name.match(r).group(1).lower() != "torch"]
+    # psutil: saving a torch_dist checkpoint imports it, and the base does not declare it.
+    has_psutil = any(name.match(r).group(1).lower() == "psutil" for r in kept)
+    return kept if has_psutil else [*kept, "psutil"]
 
 
 def fork_summary(info: dict) -> str:

@@ -154,3 +154,4 @@ def test_the_fork_never_makes_pip_pull_or_replace_torch(clone, tmp_path):
     assert r.returncode == 0, r.stderr
     requires = (tmp_path / "megatron_core.egg-info" / "requires.txt").read_text().splitlines()
     assert "numpy" in requires and not any(line.startswith("torch") for line in requires)
+    assert "psutil" in requires  # a torch_dist save needs it; the base does not declare it
