@@ -14,7 +14,15 @@ from . import git, sources
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import conflict_detail, fit, left_out_lines, not_carried, patch_arg, read_patch
+from .series import (
+    LEFT_OUT,
+    conflict_detail,
+    fit,
+    left_out_lines,
+    not_carried,
+    patch_arg,
+    read_patch,
+)
 
 _RELEASE_BRANCH = re.compile(r"core_r(\d+\.\d+)\.0")  # upstream's release branches
 _VERSION_FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.M)
@@ -717,4 +725,4 @@ def _ordered(
             for patch_id, path, *_ in todo
         ]
     order = [p.id for p in manifest.patches]
-    return sorted(report, key=lambda r: (order.index(r[0]), r[1].startswith("left out")))
+    return sorted(report, key=lambda r: (order.index(r[0]), r[1].startswith(LEFT_OUT)))
