@@ -36,6 +36,13 @@ def replace_unfit_base() -> list[str]:
         m = manifest.load(ROOT / "patches" / "manifest.toml")
         b = m.baselines.get(json.loads(INFO.read_text())["baseline"])
         here = sys.version_info[:2]
+        if b is not None and b.installs_on(here) and b.name != m.default:
+            print(  # kept: it may be chosen (`vendor --baseline`), or left by another Python
+                f"mcore-fixes: building the vendored {b.name}, not {m.default} (the default on "
+                f"Python {here[0]}.{here[1]}): `python -m mcore_fixes vendor --force` first "
+                f"builds {m.default}",
+                file=sys.stderr,
+            )
         if b is None or b.installs_on(here):
             return []
         edits = unexported_edits(ROOT)
