@@ -36,6 +36,13 @@ def replace_unfit_base() -> list[str]:
         m = manifest.load(ROOT / "patches" / "manifest.toml")
         b = m.baselines.get(json.loads(INFO.read_text())["baseline"])
         here = sys.version_info[:2]
+        if b is not None and b.installs_on(here) and b.name != m.default:
+            print(  # kept: it may be chosen (`vendor --baseline`), or left by another Python
+                f"mcore-fixes: building the vendored {b.name}, not {m.default} (the default on "
+                f"Python {here[0]}.{here[1]}): `python -m mcore_fixes vendor --force` first "
+                f"builds {m.default}",
+                file=sys.stderr,
+            )
         if b is None or b.installs_on(here):
             return []
         edits = unexported_edits(ROOT)
@@ -127,9 +134,12 @@ class BuildPyWithSeries(build_py):
 def requirements(base: dict) -> list[str]:
     """The base's requirements but torch: pip must neither pull a torch (a multi-GB CUDA build)
     nor replace the user's (a CUDA or NGC build: `2.6.0a0+...` fails `torch>=2.6.0`). The
-    environment brings torch first (docs/install.md)."""
+    environment brings torch first (docs/install.md); psutil is added (it pulls no torch)."""
     name = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
-    return [r for r in base["dependencies"] if name.match(r).group(1).lower() != "torch"]
+    kept = [r for r in base["dependencies"] if name.match(r).group(1).lower() != "torch"]
+    # psutil: saving a torch_dist checkpoint imports it, and the base does not declare it.
+    has_psutil = any(name.match(r).group(1).lower() == "psutil" for r in kept)
+    return kept if has_psutil else [*kept, "psutil"]
 
 
 def fork_summary(info: dict) -> str:

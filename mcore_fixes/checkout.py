@@ -14,7 +14,15 @@ from . import git, sources
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .series import conflict_detail, fit, left_out_lines, not_carried, patch_arg, read_patch
+from .series import (
+    LEFT_OUT,
+    conflict_detail,
+    fit,
+    left_out_lines,
+    not_carried,
+    patch_arg,
+    read_patch,
+)
 
 _RELEASE_BRANCH = re.compile(r"core_r(\d+\.\d+)\.0")  # upstream's release branches
 _VERSION_FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*$", re.M)
@@ -100,10 +108,13 @@ def detect_baseline(manifest: Manifest, checkout: Path) -> tuple[Baseline, str]:
         if tags:
             b = max(tags, key=lambda b: tuple(int(x) for x in re.findall(r"\d+", b.ref)))
             return b, f"branch {name} is the release branch of {b.ref}"
-    known = ", ".join(f"{b.name} ({b.version})" for b in manifest.baselines.values())
+    known = manifest.baselines.values()
+    releases = ", ".join(b.name for b in known if not b.is_git) or "none"
+    refs = ", ".join(b.name for b in known if b.is_git) or "none"
     raise UserError(
         f"{checkout} (megatron-core {version}, HEAD {head[:10]}) matches no baseline of the "
-        f"series; known: {known}. Pass --baseline NAME to choose one explicitly."
+        f"series. Known releases (PyPI versions): {releases}. Known git baselines (tags and "
+        f"branches): {refs}. Pass --baseline NAME (one of these) to choose one explicitly."
     )
 
 
@@ -318,10 +329,17 @@ def _last_apply(checkout: Path) -> tuple[str, str]:
     orig, new, _ = ours[0]
     head = git.out(checkout, "rev-parse", "HEAD")
     if head != new:
-        raise CheckFailed(
+        moved = (
             f"{checkout}: HEAD moved since the series was applied (it made {new[:12]} on "
             f"{orig[:12] or 'an unrecorded commit'}, HEAD is {head[:12]}); nothing was changed"
         )
+        if orig and git.ok(checkout, "merge-base", "--is-ancestor", new, head):
+            moved += (  # the user's own commits on top of the series: git can take it out
+                f". Your commits are on top of it: `git -C {checkout} rebase --onto {orig[:12]} "
+                f"{new[:12]}` takes the series out under them, or `git -C {checkout} revert "
+                f"--no-edit {orig[:12]}..{new[:12]}` undoes it in new commits"
+            )
+        raise CheckFailed(moved)
     if not orig or not git.ok(checkout, "merge-base", "--is-ancestor", orig, new):
         raise CheckFailed(
             f"{checkout}: HEAD's reflog says the series was applied on {orig[:12] or 'nothing'}"
@@ -717,4 +735,4 @@ def _ordered(
             for patch_id, path, *_ in todo
         ]
     order = [p.id for p in manifest.patches]
-    return sorted(report, key=lambda r: (order.index(r[0]), r[1].startswith("left out")))
+    return sorted(report, key=lambda r: (order.index(r[0]), r[1].startswith(LEFT_OUT)))

@@ -449,9 +449,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         "installed_in": str(dist.locate_file("")) if dist else None,
         "shadows": installed.describe(found.shadowed) if found.shadowed else None,
     }
+    # An installed fork must run: pip installs it without torch (never pulled for it) and,
+    # with --no-deps, without psutil; a vendored tree in a clone is the maintainers' to run.
+    missing = installed.missing_runtime(record) if record and dist else None
     if args.json:
-        print(json.dumps((record or {}) | data, indent=2))
-        return 0 if record else 1
+        print(json.dumps((record or {}) | data | {"missing": missing}, indent=2))
+        return 0 if record and not missing else 1
     if dist is not None:
         print(f"megatron.core at {found.location}")
         print(f"distribution {installed.describe(dist)}")
@@ -479,6 +482,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         where = "open PR, not merged" if up["origin"] == "upstream-pr" else "merged on "
         where += ", ".join(up["branches"])
         print(f"  #{up['pr']} {entry['id']} ({where}): {up['url']}")
+    if missing:
+        raise CheckFailed(f"the fork is installed but cannot run here: {missing}")
     return 0
 
 

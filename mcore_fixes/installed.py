@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -104,3 +105,51 @@ def describe(dist: md.Distribution) -> str:
     fork = location is not None and (location / INFO_NAME).exists()
     kind = "the mcore-fixes fork" if fork else "pristine: no mcore-fixes patch"
     return f"megatron-core {dist.version}, {kind} ({where})"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """`2.6.0a0+git1234` -> (2, 6, 0): an NGC or CUDA build counts as its release."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    return tuple(int(n) for n in match.group(0).split(".")) if match else ()
+
+
+def torch_minimum(record: dict) -> str | None:
+    """The `torch>=X` the base's own requirements name (kept in the record), else None."""
+    for req in record.get("base_metadata", {}).get("dependencies", []):
+        match = re.match(r"\s*torch\s*(?:\[[^\]]*\])?\s*(.*)", req, re.IGNORECASE)
+        if match and not re.match(r"[A-Za-z0-9_.-]", match.group(1)):
+            low = re.search(r">=\s*([0-9][0-9.]*)", match.group(1))
+            return low.group(1) if low else None
+    return None
+
+
+def missing_runtime(record: dict) -> str | None:
+    """What the installed fork needs at run time that does not import here (pip does not
+    install torch for it, nor anything with --no-deps), as one line saying how to install it;
+    None when torch (new enough for the base) and psutil import."""
+    problems, fixes = [], []
+    need = torch_minimum(record)
+    spec = f"torch>={need}" if need else "torch"
+    try:
+        import torch  # noqa: PLC0415
+
+        found = str(getattr(torch, "__version__", "?"))
+        if need and _release(found) < _release(need):
+            problems.append(
+                f"torch {found} is older than {need}, what base {record['baseline']} requires"
+            )
+            fixes.append(f"upgrade to {spec} with the command pytorch.org gives for your machine")
+    except Exception as exc:  # noqa: BLE001 - a broken torch fails with more than ImportError
+        first = (str(exc).splitlines() or [""])[0]  # one line, whatever the import raised
+        problems.append(f"torch does not import ({type(exc).__name__}: {first})")
+        fixes.append(f"install {spec} with the command pytorch.org gives for your machine")
+    if fixes:
+        fixes[-1] += " (a bare `pip install torch` may replace a CUDA build by another)"
+    try:
+        import psutil  # noqa: F401, PLC0415
+    except Exception:  # noqa: BLE001
+        problems.append("psutil does not import (saving a torch_dist checkpoint needs it)")
+        fixes.append("`pip install psutil`")
+    if not problems:
+        return None
+    return f"{'; '.join(problems)}: {', and '.join(fixes)}"

@@ -246,9 +246,24 @@ def not_carried(manifest: Manifest, p: Patch, path: Path, text: str) -> dict[str
     return dict.fromkeys(test_files(read_patch(canonical)), why)
 
 
+LEFT_OUT = "kept the fix, skipped its upstream test in "
+
+
 def left_out_lines(patch_id: str, excluded: dict[str, str]) -> list[str]:
-    """One line per test section of `patch_id` that was left out, saying why."""
-    return [f"left out {rel} of {patch_id}: {why}" for rel, why in excluded.items()]
+    """One line per test section of `patch_id` that was left out, saying why: the fix (its code)
+    is in; only its edit of an upstream test file is not."""
+    return [f"{LEFT_OUT}{rel}: {_said(rel, why)}" for rel, why in excluded.items()]
+
+
+def _said(rel: str, why: str) -> str:
+    """`does not apply at tests/x.py:239` (git's words) in the user's: that file differs here."""
+    m = re.fullmatch(r"does not apply at (\S+?):(\d+)", why)
+    if m and m.group(1) == rel:
+        return (
+            "this baseline's copy of that file differs from the one the test was written "
+            f"against (at line {m.group(2)})"
+        )
+    return why
 
 
 def has_upstream_tests(tree: Path) -> bool:

@@ -90,6 +90,12 @@ def test_unapply_refuses_what_it_cannot_undo_cleanly(world, project, tool, tmp_p
     r = tool(project, "unapply", co)
     assert r.rc == 1 and "HEAD moved since the series was applied" in r.err
     assert "Traceback" not in r.err and snapshot(co)["head"] == git(co, "rev-parse", "HEAD")
+    # The way on, as it says: the series taken out under the user's commit, which stays.
+    rebase = r.err.split("`git -C ")[1].split("`")[0]
+    assert rebase.startswith(f"{co} rebase --onto "), r.err
+    git(co, *rebase.split()[1:])
+    assert "# my edit of a file the series changed" in calc.read_text()
+    assert git(co, "rev-list", "--count", "HEAD").strip() == "2"
 
 
 def test_no_commit_apply_prints_its_undo(world, project, tool, tmp_path):

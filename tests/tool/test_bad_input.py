@@ -56,7 +56,9 @@ def test_checkout_matching_no_baseline(world, project, tool, tmp_path):
     assert r.rc == 2
     msg = one_line(r.err)
     assert "megatron-core 0.9.0" in msg and "matches no baseline" in msg
-    assert "core_v0.3.0 (0.3.0)" in msg and "--baseline NAME" in msg
+    assert "Known releases (PyPI versions): 0.1.0" in msg and "--baseline NAME" in msg
+    git_baselines = msg.split("Known git baselines (tags and branches): ")[1].split(". ")[0]
+    assert "core_v0.3.0" in git_baselines and "(" not in git_baselines
     assert snapshot(co) == before
 
 

@@ -54,10 +54,19 @@ def test_info_names_the_installed_pristine_distribution(tool_only, tmp_path):
     assert "not an mcore-fixes build: no _mcore_fixes.json in" in r.out
 
 
+def runtime(site: Path, torch: str | None = "2.6.0", psutil: bool = True) -> None:
+    """Shims of what the installed fork imports at run time: torch at a version, psutil."""
+    if torch is not None:
+        write(site, "torch/__init__.py", f"__version__ = {torch!r}\n")
+    if psutil:
+        write(site, "psutil/__init__.py", "")
+
+
 def test_info_of_an_installed_fork(project, tool, tool_only, tmp_path):
     assert tool(project, "vendor").rc == 0
     record = json.loads((project / "megatron/core/_mcore_fixes.json").read_text())
     install_fake(tmp_path / "site", "0.1.0+fixes.3", record)
+    runtime(tmp_path / "site")
     r = info(tmp_path, tool_only, tmp_path / "site")
     assert r.rc == 0, r.err
     assert (
@@ -68,6 +77,59 @@ def test_info_of_an_installed_fork(project, tool, tool_only, tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tool_only}{os.pathsep}{tmp_path / 'site'}"}
     data = json.loads(run_module(tmp_path, "info", "--json", cwd=tmp_path, env=env).out)
     assert data["distribution"] == "0.1.0+fixes.3" and data["baseline"] == "0.1.0" and data["fork"]
+    assert data["missing"] is None
+
+
+def installed_fork(project, tool, site: Path, torch_requirement: str) -> None:
+    assert tool(project, "vendor").rc == 0
+    record = json.loads((project / "megatron/core/_mcore_fixes.json").read_text())
+    record["base_metadata"]["dependencies"] = [torch_requirement, "numpy"]
+    install_fake(site, "0.1.0+fixes.3", record)
+
+
+@pytest.mark.parametrize(
+    ("torch", "psutil", "said"),
+    [
+        (None, True, "torch does not import (ModuleNotFoundError: No module named 'torch'): "
+         "install torch>=2.6.0 with the command pytorch.org gives for your machine (a bare "
+         "`pip install torch` may replace a CUDA build by another)"),
+        ("2.1.0", True, "torch 2.1.0 is older than 2.6.0, what base 0.1.0 requires: upgrade to "
+         "torch>=2.6.0 with the command pytorch.org gives"),
+        ("2.6.0", False, "psutil does not import (saving a torch_dist checkpoint needs it): "
+         "`pip install psutil`"),
+        (None, False, "; psutil does not import"),
+    ],
+)  # fmt: skip
+def test_info_refuses_an_installed_fork_that_cannot_run(
+    project, tool, tool_only, tmp_path, torch, psutil, said
+):
+    # pip installs the fork without torch, and with --no-deps without psutil: pip check is
+    # clean, then `import megatron.core.optimizer` fails, or a torch_dist save hangs.
+    installed_fork(project, tool, tmp_path / "site", "torch>=2.6.0")
+    runtime(tmp_path / "site", torch, psutil)
+    r = info(tmp_path, tool_only, tmp_path / "site")
+    assert r.rc == 1 and "Traceback" not in r.err
+    assert r.err.count("\n") == 1 and "the fork is installed but cannot run here: " in r.err
+    assert said in r.err
+    assert "base: 0.1.0 (pypi" in r.out  # what is installed is still said
+
+
+def test_info_takes_a_cuda_or_ngc_torch_as_its_release(project, tool, tool_only, tmp_path):
+    installed_fork(project, tool, tmp_path / "site", "torch>=2.6.0,<3")
+    runtime(tmp_path / "site", "2.6.0a0+ecf3bae40a.nv25.01")
+    assert info(tmp_path, tool_only, tmp_path / "site").rc == 0
+
+
+def test_info_without_a_torch_minimum_asks_for_any_torch(project, tool, tool_only, tmp_path):
+    installed_fork(project, tool, tmp_path / "site", "torch")
+    runtime(tmp_path / "site", "1.0", psutil=True)
+    assert info(tmp_path, tool_only, tmp_path / "site").rc == 0
+    (tmp_path / "site/torch/__init__.py").write_text(
+        "raise OSError('libcudart.so.12: cannot open')\n"
+    )
+    r = info(tmp_path, tool_only, tmp_path / "site")
+    assert r.rc == 1 and "torch does not import (OSError: libcudart.so.12: cannot open): " in r.err
+    assert "install torch with the command pytorch.org gives" in r.err
 
 
 def test_info_in_a_clone_names_the_tree_that_shadows_the_installed_one(

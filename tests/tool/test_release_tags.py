@@ -7,6 +7,8 @@ import os
 
 from toolworld import FORMAT_PATCH, commit_all, git, package_info, write
 
+from mcore_fixes.series import left_out_lines
+
 TAG = '\n[baselines."core_v0.1.5"]\nsource = "git"\nref = "core_v0.1.5"\ncommit = "{commit}"\n'
 TAG += 'version = "0.1.5"\n'
 
@@ -72,10 +74,10 @@ def test_left_out_test_section_is_said_once_per_section(world, project, tool, tm
     git(co, "commit", "-qm", "upstream has its own test_mean.py")
     r = tool(project, "apply", co)
     assert r.rc == 0, r.err
-    lines = [ln.strip() for ln in r.out.splitlines() if "left out" in ln]
+    lines = [ln.strip() for ln in r.out.splitlines() if "skipped its upstream test" in ln]
     assert lines == [
-        "fix-mean: left out tests/unit_tests/test_mean.py of fix-mean: it creates "
-        "tests/unit_tests/test_mean.py, which exists here"
+        "fix-mean: kept the fix, skipped its upstream test in tests/unit_tests/test_mean.py: "
+        "it creates tests/unit_tests/test_mean.py, which exists here"
     ], r.out
     assert "fix-mean: committed" in r.out
     assert (co / "tests/unit_tests/test_mean.py").read_text() == "def test_other():\n    pass\n"
@@ -168,3 +170,17 @@ def test_shallow_clone_of_a_release_branch_takes_its_tag(world, project, tool, t
     r = tool(project, "apply", co)
     assert r.rc == 0, r.err
     assert "baseline core_v0.1.5 (branch core_r0.1.0 is the release branch of core_v0.1.5)" in r.out
+
+
+def test_a_skipped_test_section_reads_as_the_fix_kept():
+    """git's `does not apply at FILE:LINE` for a test section reads like a failure: the line
+    says the fix is in and why its upstream test is not, keeping where."""
+    rel = "tests/unit_tests/test_optimizer.py"
+    assert left_out_lines("chained-loss-scale", {rel: f"does not apply at {rel}:239"}) == [
+        f"kept the fix, skipped its upstream test in {rel}: this baseline's copy of that file "
+        "differs from the one the test was written against (at line 239)"
+    ]
+    sdist = "this tree has no upstream tests/ (a PyPI sdist)"
+    assert left_out_lines("p", {rel: sdist}) == [
+        f"kept the fix, skipped its upstream test in {rel}: {sdist}"
+    ]

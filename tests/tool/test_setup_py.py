@@ -154,3 +154,18 @@ def test_the_fork_never_makes_pip_pull_or_replace_torch(clone, tmp_path):
     assert r.returncode == 0, r.stderr
     requires = (tmp_path / "megatron_core.egg-info" / "requires.txt").read_text().splitlines()
     assert "numpy" in requires and not any(line.startswith("torch") for line in requires)
+    assert "psutil" in requires  # a torch_dist save needs it; the base does not declare it
+
+
+def test_a_vendored_base_other_than_the_default_is_built_and_said(clone):
+    # e.g. 0.16.1 vendored by an install on Python 3.11, built again by Python 3.12's pip
+    vendor = [sys.executable, "-m", "mcore_fixes", "vendor", "--baseline", "core_v0.2.0"]
+    r = subprocess.run(vendor, cwd=clone, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = version(clone)
+    assert r.returncode == 0 and r.stdout.startswith("0.2.0+fixes."), r.stderr
+    assert (
+        "mcore-fixes: building the vendored core_v0.2.0, not 0.1.0 (the default on Python "
+        f"{sys.version_info[0]}.{sys.version_info[1]}): `python -m mcore_fixes vendor --force` "
+        "first builds 0.1.0"
+    ) in r.stderr
