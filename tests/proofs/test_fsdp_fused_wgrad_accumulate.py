@@ -23,10 +23,12 @@ import pytest
 from _megatron_fsdp_v1 import STRATEGIES, dp_world, gradient_case
 from _support import check
 
+# The output layer used twice per microbatch matters where main_grad is a fresh bucket
+# (sharded gradients): a second use must add to the first, not overwrite it.
 CASES = {
     f"{strategy}-overlap{int(overlap)}-uses{uses}": gradient_case(strategy, overlap, uses)
     for strategy, overlap in STRATEGIES
-    for uses in (1, 2)
+    for uses in ((1, 2) if strategy.startswith("optim_grads") else (1,))
 }
 
 
