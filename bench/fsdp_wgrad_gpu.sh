@@ -14,7 +14,8 @@
 # same gap under DDP (--use-distributed-optimizer), the yardstick of what fusion alone changes
 # (bf16 rounding). Without the fixes the fused run drops microbatches: upstream #6357 (TE's
 # layers under optim) and the output layer's ColumnParallelLinear (under optim and no_shard).
-# Prints the table and writes it to OUT/fsdp-wgrad.md, every run's log to OUT/logs/.
+# Prints the table and writes it to OUT/fsdp-wgrad.md, every run's log to OUT/logs/. Then, on
+# main's fork, the carried upstream tests of fix 6 and #5071 (OUT/logs/carried-tests.log).
 #
 # STAGE is what bench/e2e_stage.py writes (whl/*.whl: TE and its needs; mlm-main.tar.gz:
 # Megatron-LM main d98e8a64dd), plus mlm-core_v0.19.0.tar.gz:
@@ -119,6 +120,21 @@ done
 t1=$(date +%s)
 echo "runs: $((t1 - t0)) s" | tee "$out/fsdp-wgrad-timing.txt"
 cp "$work"/runs/* "$out/logs/"
+
+# The carried upstream tests on the fork of main, one rank (mlm-main.tar.gz has tests/unit_tests):
+# fix 6's (fused vs unfused Megatron-FSDP grads) and #5071's (test_optimizer_cpu_offloading.py).
+if [ -d "$work/main-fork/tests/unit_tests" ]; then
+    mkdir -p /opt/data # upstream's conftest downloads test data where /opt/data is missing
+    (
+        cd "$work/main-fork" &&
+            PYTHONPATH=$work/main-fork${PYTHONPATH:+:$PYTHONPATH} timeout 300 \
+                torchrun --nproc_per_node=1 -m pytest -q -p no:cacheprovider -o addopts= -rA \
+                tests/unit_tests/distributed/mfsdp_v1/test_mfsdp_fused_wgrad_accumulation.py \
+                tests/unit_tests/test_optimizer_cpu_offloading.py -k "fused or reload or hdo" \
+                >"$out/logs/carried-tests.log" 2>&1
+        echo "carried upstream tests (fix 6, #5071) on main's fork: pytest exit $?"
+    ) | tee -a "$out/fsdp-wgrad-timing.txt"
+fi
 
 python3 - "$work/runs" "$TREES" <<'EOF' | tee "$out/fsdp-wgrad.md"
 import math, re, sys
