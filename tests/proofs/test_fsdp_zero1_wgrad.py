@@ -7,8 +7,8 @@ each microbatch: the step kept the last microbatch's gradient alone. Where the r
 the unsharded buffers after every backward pass with ``overlap_grad_reduce`` off, a second,
 redundant reduction left the gradients of every layer off (0.74x at a data-parallel size of 2,
 0.17 and later; the backports to 0.15 .. 0.17 carry the overwrite change alone, and this proof
-checks the reduction from 0.18 on). Upstream's fix overwrites only where the gradient is sharded and reduces
-unsharded buffers once, on the last microbatch.
+checks the reduction from 0.18 on). Upstream's fix overwrites only where the gradient is
+sharded and reduces unsharded buffers once, on the last microbatch.
 
 Real MCore: FullyShardedDataParallel (Megatron-FSDP v1) in forked gloo worlds of 1 and 2 ranks,
 `no_shard` and `optim` with and without overlapped gradient reduction; what is checked is the

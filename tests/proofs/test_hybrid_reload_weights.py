@@ -78,7 +78,9 @@ def case_weights_only_load_survives_step() -> None:
         for p in params:
             p.main_grad.zero_()
         optimizer.step()
-    deviation = max(float((p.float() - w.float()).abs().max()) for p, w in zip(params, loaded))
+    deviation = max(
+        float((p.float() - w.float()).abs().max()) for p, w in zip(params, loaded, strict=True)
+    )
     assert deviation == 0.0, (
         f"the loaded weights moved by up to {deviation} in a step with lr 0: the optimizer "
         "wrote its pre-load copies back over them"
