@@ -448,6 +448,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         where = "open PR, not merged" if up["origin"] == "upstream-pr" else "merged on "
         where += ", ".join(up["branches"])
         print(f"  #{up['pr']} {entry['id']} ({where}): {up['url']}")
+        if up.get("affects"):
+            print(f"      affects runs with {up['affects']}")
     return 0
 
 
