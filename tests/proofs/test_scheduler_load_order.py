@@ -30,6 +30,7 @@ import torch
 from _support import (
     CheckpointDirs,
     CudaSyncOnCpu,
+    build_distopt,
     check,
     clone_tensors,
     distopt_step,
@@ -67,18 +68,10 @@ class TwoLinears(torch.nn.Module):
 
 def _run(lr: float, **schedule):
     """A fresh model, optimizer and scheduler (the runtime's arguments)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.transformer import TransformerConfig
 
-    chunk = DistributedDataParallel(
-        TransformerConfig(num_attention_heads=1, num_layers=1),
-        DistributedDataParallelConfig(),
-        TwoLinears(),
-    )
-    config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10, bf16=True, clip_grad=0.0)
-    optimizer = get_megatron_optimizer(config, [chunk])
+    ddp = {"use_distributed_optimizer": False}
+    (chunk,), optimizer, _ = build_distopt([TwoLinears()], ddp, lr=lr, min_lr=lr / 10)
     scheduler = OptimizerParamScheduler(
         optimizer, max_lr=lr, min_lr=lr / 10, **(SCHEDULE | schedule)
     )
@@ -157,9 +150,10 @@ def case_override_new_lr() -> None:
     """override_opt_param_scheduler with a new --lr: the groups take the new bounds."""
     from megatron.core.optimizer import optimizer as optimizer_module
 
-    if "max_lr" in getattr(optimizer_module, "param_group_identifier_keys", ()):
+    match_keys = getattr(optimizer_module, "param_group_match_keys", None)  # #4705's backport
+    if "max_lr" in (match_keys or optimizer_module.param_group_identifier_keys):
         # From upstream #4705 on, saved param groups are matched by their LR bounds: a resume
-        # with other bounds does not load at all (KeyError), with or without this fix.
+        # with other bounds does not load at all, with or without this fix.
         return
     chunk, optimizer, scheduler = _run(LR)
     _train(chunk, optimizer, scheduler, 0, STEPS)
