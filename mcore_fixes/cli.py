@@ -482,6 +482,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         where = "open PR, not merged" if up["origin"] == "upstream-pr" else "merged on "
         where += ", ".join(up["branches"])
         print(f"  #{up['pr']} {entry['id']} ({where}): {up['url']}")
+        if up.get("affects"):
+            print(f"      affects runs with {up['affects']}")
     if missing:
         raise CheckFailed(f"the fork is installed but cannot run here: {missing}")
     return 0

@@ -34,6 +34,8 @@ class Patch:
     upstream_pr: int = 0
     origin: str = ""
     upstream_branches: tuple[str, ...] = ()
+    # which runs the bug it fixes affects (the flags), for `info`; optional
+    affects: str = ""
 
     @property
     def upstream_url(self) -> str:
@@ -48,7 +50,7 @@ class Patch:
             "origin": self.origin,
             "commit": self.upstream_commit,
             "branches": list(self.upstream_branches),
-        }
+        } | ({"affects": self.affects} if self.affects else {})
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ PATCH_KEYS = frozenset(
         "upstream-pr",
         "origin",
         "upstream-branches",
+        "affects",
     }
 )
 BASELINE_KEYS = frozenset(
@@ -207,6 +210,12 @@ def _upstream_commit(value: object) -> str:
     return value
 
 
+def _affects(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"affects {value!r} must be a string (the flags of the runs it affects)")
+    return value
+
+
 def _origin(entry: dict) -> tuple[int, str, tuple[str, ...]]:
     """`upstream-pr`, `origin` and `upstream-branches` of a [[patch]] entry, checked together."""
     pr, origin = entry.get("upstream-pr", 0), entry.get("origin", "")
@@ -260,6 +269,7 @@ def load(path: Path) -> Manifest:
                 upstream_pr=pr,
                 origin=origin,
                 upstream_branches=branches,
+                affects=_affects(entry.get("affects", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path}: [[patch]] entry {entry!r} is incomplete ({exc})") from None

@@ -377,14 +377,14 @@ def build_distopt(model_chunks: list[torch.nn.Module], ddp: dict | None = None, 
     """Real DDP per chunk and get_megatron_optimizer (torch Adam: no TE/apex on CPU).
 
     ``ddp``: more DistributedDataParallelConfig fields (e.g. ``overlap_grad_reduce`` and a small
-    ``bucket_size``: several buckets). Returns (ddp chunks, optimizer as returned, its
-    DistributedOptimizers).
+    ``bucket_size``: several buckets; ``use_distributed_optimizer=False``: the mixed-precision
+    optimizers without it). Returns (ddp chunks, optimizer as returned, its optimizers).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, **(ddp or {}))
+    ddp_config = DistributedDataParallelConfig(**{"use_distributed_optimizer": True, **(ddp or {})})
     chunks = [
         DistributedDataParallel(
             TransformerConfig(num_attention_heads=1, num_layers=1), ddp_config, chunk
@@ -392,7 +392,8 @@ def build_distopt(model_chunks: list[torch.nn.Module], ddp: dict | None = None, 
         for chunk in model_chunks
     ]
     kwargs = dict(optimizer="adam", lr=1e-2, bf16=True, clip_grad=0.0)
-    opt_config = OptimizerConfig(use_distributed_optimizer=True, **{**kwargs, **config})
+    distributed = ddp_config.use_distributed_optimizer
+    opt_config = OptimizerConfig(use_distributed_optimizer=distributed, **{**kwargs, **config})
     optimizer = get_megatron_optimizer(opt_config, chunks)
     return chunks, optimizer, list(getattr(optimizer, "chained_optimizers", [optimizer]))
 

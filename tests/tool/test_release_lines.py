@@ -18,6 +18,7 @@ CARRIED = (
     "upstream-pr = 77\n"
     'origin = "upstream"\n'
     'upstream-branches = ["main"]\n'
+    'affects = "--mean-flag"\n'
 )
 
 
@@ -52,6 +53,7 @@ def test_applied_upstream_proof_passes_on_upstreams_code(carried, tool, world):
         "origin": "upstream",
         "commit": "0123456789abcdef0123456789abcdef01234567",
         "branches": ["main"],
+        "affects": "--mean-flag",
     }
 
 
@@ -63,7 +65,9 @@ def test_info_lists_the_upstream_fixes_the_fork_adds(carried, tool):
     assert proc.returncode == 0, proc.stderr
     assert "upstream's own fixes this fork adds to 0.1.0 (not in this base):" in proc.stdout
     link = "https://github.com/NVIDIA/Megatron-LM/pull/77"
-    assert f"  #77 fix-mean (merged on main): {link}" in proc.stdout
+    assert f"  #77 fix-mean (merged on main): {link}\n      affects runs with --mean-flag\n" in (
+        proc.stdout
+    )
     info = json.loads((carried / "megatron/core/_mcore_fixes.json").read_text())
     assert {a["id"]: a.get("upstream", {}).get("pr") for a in info["applied"]} == {
         "fix-mean": 77,
@@ -84,6 +88,7 @@ BAD_ORIGINS = {
         "cannot name upstream-branches",
     ),
     "pr-not-a-number": ('upstream-pr = "5077"\n', "must be a pull-request number"),
+    "affects-not-text": ("affects = 1\n", "affects 1 must be a string"),
 }
 
 
