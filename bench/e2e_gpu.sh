@@ -29,6 +29,9 @@
 #      C: control without fp32 params
 #   3  bf16 Megatron-FSDP v1 + --use-precision-aware-optimizer (TE FusedAdam), the DDP
 #      decoupled-grad flag left at its default, vs the same model under DDP
+#   4  (where STAGE has mlm-core_v0.19.0.tar.gz) upstream #5077 on the release, pristine vs
+#      fork: bf16, distributed optimizer, --overlap-grad-reduce with small buckets whose ends are
+#      padded (hidden size 200), fully_reshardable torch_dist checkpoint at S2_SAVE, resume
 set -uo pipefail
 stage=$(cd "$1" && pwd)
 out=$2
@@ -71,6 +74,20 @@ print(" ".join(email.message_from_file(open(sys.argv[1]))["Subject"].split()).re
 sha=$(git -C "$work/noconv" log --format='%H %s' | awk -v s="$subject" 'substr($0, 42) == s {print $1}')
 [ -n "$sha" ] || { echo "no commit '$subject' in the fork" >&2; exit 1; }
 git -C "$work/noconv" -c user.name=e2e -c user.email=e2e@localhost revert --no-edit "$sha" >/dev/null || exit
+
+# scenario 4 needs a release: main has upstream's #5077
+rel=core_v0.19.0
+if [ -e "$stage/mlm-$rel.tar.gz" ]; then
+    mkdir -p "$work/rel-pristine"
+    tar xzf "$stage/mlm-$rel.tar.gz" -C "$work/rel-pristine" || exit
+    make -s -C "$work/rel-pristine/megatron/core/datasets" >/dev/null || exit
+    cp -a "$work/rel-pristine" "$work/rel-fork"
+    (
+        cd "$work/rel-fork" && git init -q && git add -A &&
+            git -c user.name=e2e -c user.email=e2e@localhost commit -qm pristine
+    ) || exit
+    python3 -m mcore_fixes apply "$work/rel-fork" --baseline $rel || exit
+fi
 
 common=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256
     --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size 8
@@ -132,6 +149,15 @@ for tree in pristine fork; do
         --ckpt-format fsdp_dtensor
 done
 launch "s3-ddp-fork" fork "" --bf16 --use-distributed-optimizer --use-precision-aware-optimizer
+# hidden 200: no layer's grads fill a multiple of 128 elements, so each bucket ends in padding
+padded=(--hidden-size 200 --num-attention-heads 5 --ffn-hidden-size 800 --overlap-grad-reduce
+    --ddp-bucket-size 400000 "${dist[@]}" $full)
+if [ -d "$work/rel-fork" ]; then
+    for tree in rel-pristine rel-fork; do
+        # shellcheck disable=SC2046
+        launch "s4-$tree" $tree "" "${padded[@]}" $(save_args "d-$tree")
+    done
+fi
 wait
 t1=$(date +%s)
 # wave 2: resumes (RNG, data position and optimizer state from the checkpoint of step S2_SAVE)
@@ -168,6 +194,11 @@ for tree in pristine fork; do
     # shellcheck disable=SC2046
     launch "s2c-dp-$tree-resumed" $tree "" "${dist[@]}" $(resume_args "c-dp-$tree")
 done
+for tree in rel-pristine rel-fork; do
+    # shellcheck disable=SC2046
+    [ "$(cat "$work/runs/s4-$tree.rc" 2>/dev/null)" = 0 ] &&
+        launch "s4-$tree-resumed" $tree "" "${padded[@]}" $(resume_args "d-$tree")
+done
 wait
 t2=$(date +%s)
 echo "wave 1: $((t1 - t0)) s, wave 2: $((t2 - t1)) s" | tee "$out/e2e-timing.txt"
@@ -180,6 +211,7 @@ for tree in pristine fork; do
         ckpts+=("b-$fmt-$tree:$work/ckpt/b-$fmt-$tree" "a-$fmt-$tree:$work/ckpt/a-$fmt-$tree")
     done
     ckpts+=("c-dp-$tree:$work/ckpt/c-dp-$tree")
+    [ -d "$work/ckpt/d-rel-$tree" ] && ckpts+=("d-rel-$tree:$work/ckpt/d-rel-$tree")
     for entry in "${ckpts[@]}"; do
         name=${entry%%:*} path=${entry#*:}
         python3 -m mcore_fixes audit "$path" >"$out/audit/$name.txt" 2>&1

@@ -4,7 +4,8 @@
 
 RUNS_DIR holds NAME.jsonl (bench/e2e_hook.py's step records), NAME.log and NAME.rc per run.
 Prints the verdict table (markdown) and writes OUT/e2e-verdicts.md; with matplotlib, also
-OUT/e2e-scaler.png, OUT/e2e-resume.png and OUT/e2e-fsdp.png. It states what it measured;
+OUT/e2e-scaler.png, OUT/e2e-resume.png, OUT/e2e-fsdp.png and (scenario 4) OUT/e2e-5077.png,
+each title carrying its verdicts. It states what it measured;
 it asserts nothing. Verdicts: "bug shown" (pristine shows the bug the scenario targets), "ok"
 (the expected healthy behaviour), "WRONG" (a fork or control row that is not healthy), "NO
 RESULT" (the run could not measure it), "NOT CONVERTED" (a pristine-written checkpoint resumed
@@ -247,6 +248,28 @@ def scenario3(runs: Runs, tolerance: float) -> list[list[str]]:
     return rows
 
 
+S4 = "4 #5077 padded buckets, fully_reshardable, core_v0.19.0"
+
+
+def scenario4(runs: Runs, save: int) -> list[list[str]]:
+    rows = []
+    for tree in ("pristine", "fork"):
+        name = f"s4-rel-{tree}"
+        if runs.rc(name) is None:
+            continue
+        what = saved_and_resumed(runs, name, save)
+        verdict = (
+            "ok" if what.startswith("EXACT") else "bug shown" if tree == "pristine" else "WRONG"
+        )
+        rows.append([S4, tree, verdict, what])
+    return rows
+
+
+def said(rows: list[list[str]], *scenarios: str) -> str:
+    """The verdicts of these scenarios' rows, for a plot title: 'pristine: bug shown, fork: ok'."""
+    return ", ".join(f"{tree}: {verdict}" for sc, tree, verdict, _ in rows if sc in scenarios)
+
+
 # Curves that coincide (a resume bitwise equal to the uninterrupted run) stay visible: a wide
 # pale line under dashed and dotted ones with hollow markers of other shapes and sizes.
 STYLES: list[dict[str, Any]] = [
@@ -258,9 +281,9 @@ STYLES: list[dict[str, Any]] = [
 COLORS = {"pristine": "tab:blue", "fork": "tab:orange", "noconv": "tab:red", "ddp": "tab:green"}
 
 
-def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
-    """e2e-scaler.png, e2e-resume.png and e2e-fsdp.png: one panel per question, a legend in
-    words, a red X (with the error) where a run failed."""
+def plots(runs: Runs, out: Path, inject: int, save: int, rows: list[list[str]]) -> None:
+    """e2e-scaler.png, e2e-resume.png, e2e-fsdp.png and e2e-5077.png: one panel per question,
+    its verdicts in its title, a legend in words, a red X (with the error) where a run failed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -352,7 +375,8 @@ def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
         mark(ax, inject, f" inf in one expert grad: step {inject} skipped")
     finish(
         fig,
-        f"Scenario 1: FP16 + MoE, an overflow in the expert chain only at iteration {inject}",
+        f"Scenario 1: FP16 + MoE, an overflow in the expert chain only at iteration {inject}\n"
+        + said(rows, "1 fp16+MoE chain scalers"),
         "e2e-scaler.png",
     )
 
@@ -373,8 +397,16 @@ def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
         ]
 
     panels = [
-        ("2A MoE, fp32 routers: dp_reshardable", routers("dp")),
-        ("2A MoE, fp32 routers: fully_reshardable", routers("full")),
+        (
+            "2A MoE, fp32 routers: dp_reshardable",
+            routers("dp"),
+            "2A MoE, fp32 routers, dp_reshardable",
+        ),
+        (
+            "2A MoE, fp32 routers: fully_reshardable",
+            routers("full"),
+            "2A MoE, fp32 routers, fully_reshardable",
+        ),
         (
             "2C control, no fp32 params: dp_reshardable",
             [
@@ -382,9 +414,18 @@ def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
                 ("s2c-dp-pristine-resumed", "pristine, resumed"),
                 ("s2c-dp-fork-resumed", "fork, resumed"),
             ],
+            "2C control (no fp32 params), dp_reshardable",
         ),
-        ("2B pristine's dp_reshardable checkpoint", pristine_written("dp")),
-        ("2B pristine's fully_reshardable checkpoint", pristine_written("full")),
+        (
+            "2B pristine's dp_reshardable checkpoint",
+            pristine_written("dp"),
+            "2B pristine-written dp_reshardable checkpoint",
+        ),
+        (
+            "2B pristine's fully_reshardable checkpoint",
+            pristine_written("full"),
+            "2B pristine-written fully_reshardable checkpoint",
+        ),
         (
             "2B the fork's own checkpoints",
             [
@@ -392,11 +433,15 @@ def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
                 ("s2b-dp-fork-resumed", "fork, resumed (dp_reshardable)"),
                 ("s2b-full-fork-resumed", "fork, resumed (fully_reshardable)"),
             ],
+            "2B fp32 final norm, equal sizes, dp_reshardable",
         ),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(16, 9.5))
-    for ax, (title, lines) in zip(axes.flat, panels, strict=True):
-        panel(ax, title, lines)
+    for ax, (title, lines, scenario) in zip(axes.flat, panels, strict=True):
+        verdicts = [(t, v) for sc, t, v, _ in rows if sc == scenario]
+        if scenario.endswith("checkpoint"):  # pristine-written: the resume on the fork decides
+            verdicts = [(t.replace("resumed on ", ""), v) for t, v in verdicts]
+        panel(ax, title + "\n" + ", ".join(f"{t}: {v}" for t, v in verdicts), lines)
         mark(ax, save, f" checkpoint of iteration {save}")
     finish(
         fig,
@@ -417,8 +462,40 @@ def plots(runs: Runs, out: Path, inject: int, save: int) -> None:
     finish(
         fig,
         "Scenario 3: Megatron-FSDP + precision-aware FusedAdam, "
-        "megatron_fsdp_use_decoupled_grad left at its default",
+        "megatron_fsdp_use_decoupled_grad left at its default\n"
+        + said(rows, "3 Megatron-FSDP + precision-aware FusedAdam, flag default"),
         "e2e-fsdp.png",
+    )
+
+    # 4: #5077 on the release: resumed from a fully_reshardable checkpoint with padded buckets
+    if runs.rc("s4-rel-pristine") is None:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    lines = [
+        ("s4-rel-pristine", "pristine 0.19.0, uninterrupted"),
+        ("s4-rel-pristine-resumed", "pristine 0.19.0, resumed"),
+        ("s4-rel-fork", "fork of 0.19.0, uninterrupted"),
+        ("s4-rel-fork-resumed", "fork of 0.19.0, resumed"),
+    ]
+    panel(ax1, "Training loss", lines)
+    mark(ax1, save, f" checkpoint of iteration {save}")
+    for i, tree in enumerate(("pristine", "fork")):
+        a, b = runs.steps(f"s4-rel-{tree}"), runs.steps(f"s4-rel-{tree}-resumed")
+        xs = sorted(x for x in b if x in a)
+        ax2.plot(
+            xs,
+            [abs(b[x]["loss"] - a[x]["loss"]) for x in xs],
+            color=COLORS[tree],
+            label=f"{tree}: |resumed - uninterrupted|",
+            **STYLES[i],
+        )
+    frame(ax2, "How far the resume is from the uninterrupted run", "|loss difference|")
+    ax2.legend(fontsize=8)
+    finish(
+        fig,
+        "Scenario 4 (#5077): fully_reshardable checkpoint, several padded grad buckets, "
+        f"resumed at {save}\n" + said(rows, S4),
+        "e2e-5077.png",
     )
 
 
@@ -451,7 +528,10 @@ def main() -> None:
     args = parser.parse_args()
     runs = Runs(args.runs)
     rows = (
-        scenario1(runs, args.inject) + scenario2(runs, args.save) + scenario3(runs, args.tolerance)
+        scenario1(runs, args.inject)
+        + scenario2(runs, args.save)
+        + scenario3(runs, args.tolerance)
+        + scenario4(runs, args.save)
     )
     lines = ["| scenario | tree | verdict | measured |", "| --- | --- | --- | --- |"]
     lines += [f"| {a} | {b} | {v} | {c.replace('|', '/')} |" for a, b, v, c in rows]
@@ -461,7 +541,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "e2e-verdicts.md").write_text(table + "\n")
     try:
-        plots(runs, args.out, args.inject, args.save)
+        plots(runs, args.out, args.inject, args.save, rows)
     except ImportError as exc:
         print(f"no plots: {exc}")
 

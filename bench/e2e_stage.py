@@ -1,16 +1,18 @@
 """Stage what bench/e2e_gpu.sh needs on a GPU machine without network: TE wheels, Megatron-LM.
 
     python bench/e2e_stage.py STAGE --mcore-repo PATH [--commit d98e8a64dd] [--te-torch-wheel W]
-        [--keep-arch 90]
+        [--keep-arch 90] [--release core_v0.19.0]
 
 Writes STAGE/mlm-main.tar.gz (`git archive` of the files pretrain_gpt.py needs and the tests the
-series patches) and STAGE/whl/: Transformer Engine 2.20.2 for CUDA 13 / Python 3.12 and the
-packages it needs that the H200 image lacks (`pip download`), plus the prebuilt
-transformer_engine_torch wheel given with --te-torch-wheel. The transformer-engine-cu13 wheel
-(276 MB, over a 64 MiB transfer limit) is rewritten smaller: in its libtransformer_engine.so the
-CUDA fatbin entries for other GPU architectures than --keep-arch are zeroed (headers kept), so
-the library compresses to about 32 MB and the CUDA runtime still finds the sm_90 cubins it
-loads on an H200. The wheel's RECORD gets the new hash. Only for a machine of that architecture.
+series patches), with --release TAG also STAGE/mlm-TAG.tar.gz (scenario 4 of e2e_gpu.sh resumes
+on a release, which lacks upstream's fixes that main has), and STAGE/whl/: Transformer Engine
+2.20.2 for CUDA 13 / Python 3.12 and the packages it needs that the H200 image lacks (`pip
+download`), plus the prebuilt transformer_engine_torch wheel given with --te-torch-wheel. The
+transformer-engine-cu13 wheel (276 MB, over a 64 MiB transfer limit) is rewritten smaller: in
+its libtransformer_engine.so the CUDA fatbin entries for other GPU architectures than
+--keep-arch are zeroed (headers kept), so the library compresses to about 32 MB and the CUDA
+runtime still finds the sm_90 cubins it loads on an H200. The wheel's RECORD gets the new hash.
+Only for a machine of that architecture.
 """
 
 from __future__ import annotations
@@ -123,13 +125,14 @@ def main() -> None:
     parser.add_argument("--commit", default="d98e8a64dd")
     parser.add_argument("--te-torch-wheel", type=Path)
     parser.add_argument("--keep-arch", type=int, default=90)
+    parser.add_argument("--release", action="append", default=[], help="a release tag, repeatable")
     args = parser.parse_args()
     whl = args.stage / "whl"
     whl.mkdir(parents=True, exist_ok=True)
-    archive = args.stage / "mlm-main.tar.gz"
-    with archive.open("wb") as f:
-        cmd = ["git", "-C", str(args.mcore_repo), "archive", "--format=tar.gz", args.commit]
-        subprocess.run([*cmd, *MLM_PATHS], stdout=f, check=True)
+    for name, commit in [("main", args.commit)] + [(tag, tag) for tag in args.release]:
+        with (args.stage / f"mlm-{name}.tar.gz").open("wb") as f:
+            cmd = ["git", "-C", str(args.mcore_repo), "archive", "--format=tar.gz", commit]
+            subprocess.run([*cmd, *MLM_PATHS], stdout=f, check=True)
     platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
     cmd += ["--python-version", "3.12", "--implementation", "cp", "-d", str(whl)]
