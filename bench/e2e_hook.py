@@ -97,9 +97,9 @@ def _compute_in_fp32(module: Any) -> None:
 
 def _pre_wrap_hook(chunks: list[Any]) -> list[Any]:
     """Upstream's pre-wrap hook point: runs on the built chunks before Float16Module and DDP."""
-    from megatron.core.transformer.module import mark_keep_in_fp32
-
     pattern = os.environ.get("E2E_FP32_PARAMS")
+    if pattern:  # releases before mark_keep_in_fp32 (core_v0.19.0) run scenario 4 without it
+        from megatron.core.transformer.module import mark_keep_in_fp32
     expert_pgs = os.environ.get("E2E_EXPERT_PGS") == "1"
     cast = os.environ.get("E2E_FP32_CAST") == "1"
     marked, experts = [], []
