@@ -14,7 +14,8 @@
 # same gap under DDP (--use-distributed-optimizer), the yardstick of what fusion alone changes
 # (bf16 rounding). Without the fixes the fused run drops microbatches: upstream #6357 (TE's
 # layers under optim) and the output layer's ColumnParallelLinear (under optim and no_shard).
-# Prints the table and writes it to OUT/fsdp-wgrad.md, every run's log to OUT/logs/. Then, on
+# Prints the table and writes it to OUT/fsdp-wgrad.md (bench/fsdp_wgrad_report.py, with the plot
+# OUT/fsdp-wgrad.png), every run's log to OUT/logs/. Then, on
 # main's fork, the carried upstream tests of fix 6 and #5071 (OUT/logs/carried-tests.log).
 #
 # STAGE is what bench/e2e_stage.py writes (whl/*.whl: TE and its needs; mlm-main.tar.gz:
@@ -136,44 +137,4 @@ if [ -d "$work/main-fork/tests/unit_tests" ]; then
     ) | tee -a "$out/fsdp-wgrad-timing.txt"
 fi
 
-python3 - "$work/runs" "$TREES" <<'EOF' | tee "$out/fsdp-wgrad.md"
-import math, re, sys
-from pathlib import Path
-
-runs, trees = Path(sys.argv[1]), sys.argv[2].split()
-STEP = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.eE+-]+).*?grad norm: ([0-9.eE+-]+)")
-
-
-def steps(name):
-    log, rc = runs / f"{name}.log", runs / f"{name}.rc"
-    if not log.exists() or rc.read_text().strip() != "0":
-        return None
-    return {int(i): (float(l), float(g)) for i, l, g in STEP.findall(log.read_text())}
-
-
-def gap(name):
-    fused, unfused = steps(f"{name}-fused"), steps(f"{name}-unfused")
-    if not fused or not unfused or fused.keys() != unfused.keys():
-        return None
-    loss = max(abs(fused[i][0] - unfused[i][0]) for i in fused)
-    return loss, fused[min(fused)][1], unfused[min(unfused)][1]
-
-
-print("| tree | Megatron-LM | parallelism | max loss gap, fused vs unfused | step-1 grad norm fused / unfused | verdict |")
-print("|---|---|---|---|---|---|")
-for base in trees:
-    yard = gap(f"{base}-pristine-ddp")
-    bound = max(3 * yard[0], 0.05) if yard else None
-    rows = [(side, s) for side in ("pristine", "fork") for s in ("optim", "no_shard")]
-    for side, strategy in [("pristine", "ddp"), *rows]:
-        g = gap(f"{base}-{side}-{strategy}")
-        label = "DDP (yardstick)" if strategy == "ddp" else f"Megatron-FSDP {strategy}"
-        if g is None:
-            print(f"| {side} | {base} | {label} | run failed | | see logs/ |")
-            continue
-        verdict = "yardstick" if strategy == "ddp" else (
-            "keeps every microbatch" if bound is not None and g[0] <= bound else "drops microbatches")
-        print(f"| {side} | {base} | {label} | {g[0]:.3f} | {g[1]:.3f} / {g[2]:.3f} | {verdict} |")
-print()
-print("A run keeps every microbatch where its gap stays within 3x the DDP yardstick's (at least 0.05).")
-EOF
+python3 "$(dirname "$0")/fsdp_wgrad_report.py" "$work/runs" "$out" --trees "$TREES"
