@@ -234,7 +234,9 @@ def _rank_main(
     os.environ["MASTER_PORT"] = str(port)
     results: dict[str, str] = {}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # A file store, not the port: another process may take a free port before rank 0 binds it.
+        store = f"file://{out / 'store'}"
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
         if init is not None:
             init()
         for name, case in cases.items():
