@@ -4,7 +4,7 @@
     python bench/e2e_logs.py --unpack LOGS_DIR RUNS_DIR
 
 RUNS_DIR is the `runs/` folder of e2e-logs.tar.gz (NAME.jsonl, NAME.log, NAME.rc per run) and
-holds, or sits beside, e2e-device.txt. Writes OUT/e2e-s1.log, e2e-s2.log and e2e-s3.log: per
+holds, or sits beside, e2e-device.txt. Writes OUT/e2e-s1.log .. e2e-s4.log: per
 run its exit status, bench/e2e_hook.py's step records, then its output without Megatron's
 argument dump (the arguments are in bench/e2e_gpu.sh). `--unpack` turns those logs (e.g.
 docs/gpu/) back into a RUNS_DIR, from which `bench/e2e_report.py` redraws table and plots.
@@ -35,7 +35,7 @@ def without_arguments(text: str) -> str:
 
 def scenario_log(runs: Path, scenario: str, device: str) -> str:
     parts = [
-        f"# e2e runs of scenario {scenario} (bench/e2e_gpu.sh on the H200, {device}); per run: "
+        f"# e2e runs of scenario {scenario} (bench/e2e_gpu.sh, {device}); per run: "
         "exit status, bench/e2e_hook.py's step records, then the run's output with Megatron's "
         "argument dump removed (the arguments are in bench/e2e_gpu.sh)"
     ]
@@ -79,7 +79,7 @@ def main() -> None:
     candidates = [args.runs / "e2e-device.txt", args.runs.parent / "e2e-device.txt"]
     device = next((p.read_text().strip() for p in candidates if p.exists()), "device unknown")
     args.out.mkdir(parents=True, exist_ok=True)
-    for scenario in ("s1", "s2", "s3"):
+    for scenario in ("s1", "s2", "s3", "s4"):
         (args.out / f"e2e-{scenario}.log").write_text(scenario_log(args.runs, scenario, device))
 
 

@@ -45,6 +45,8 @@ MLM_PATHS = [
     "pretrain_gpt.py",
     "gpt_builders.py",
     "model_provider.py",
+    "tests/__init__.py",
+    "tests/test_utils",
     "tests/unit_tests",
 ]
 FATBIN_MAGIC = 0xBA55ED50

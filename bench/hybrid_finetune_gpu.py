@@ -131,6 +131,7 @@ def run(tree: Path, offload: bool) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """One panel per Megatron-LM tree: offload on pristine and fork against no offload."""
     try:
         import matplotlib
 
@@ -139,39 +140,72 @@ def plot(rows: list[dict], path: Path) -> None:
     except ImportError:
         print("no matplotlib: no plot")
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for row in rows:
-        if "finetune" in row:
-            ax.plot(range(1, FINETUNE + 1), row["finetune"], marker=".", label=row["name"])
-    pre = next((r["pretrain"] for r in rows if "pretrain" in r), None)
-    if pre:
-        ax.axhline(pre[0], color="grey", ls=":", label="untrained (pretrain step 1)")
-    ax.set_xlabel("finetune step after a weights-only load")
-    ax.set_ylabel("loss")
-    ax.set_title(verdict_title(rows), fontsize=9)
-    ax.legend(fontsize=8)
+    done = [r for r in rows if "finetune" in r]
+    bases = list(dict.fromkeys(r["name"].split()[0].rsplit("-", 1)[0] for r in done))
+    fig, axes = plt.subplots(1, len(bases), figsize=(6 * len(bases), 4), squeeze=False)
+    steps = range(1, FINETUNE + 1)
+    for ax, base in zip(axes[0], bases, strict=True):
+        mine = [r for r in done if r["name"].startswith(f"{base}-")]
+        for row in mine:
+            side, mode = (
+                row["name"].split(" ", 1)[0].rsplit("-", 1)[1],
+                row["name"].split(" ", 1)[1],
+            )
+            if mode == "no offload":
+                ax.plot(
+                    steps, row["finetune"], color="k", lw=4, alpha=0.2, label=f"{side}, no offload"
+                )
+            else:
+                color = "tab:red" if side == "pristine" else "tab:green"
+                ax.plot(steps, row["finetune"], "o-", ms=3, color=color, label=f"{side}, offload")
+        pre = next((r["pretrain"] for r in mine if "pretrain" in r), None)
+        if pre:
+            ax.axhline(pre[0], color="grey", ls=":", label="untrained (pretrain step 1)")
+        said = [
+            f"{r['name'].split()[0].rsplit('-', 1)[1]} with offload: {verdict(r, ref)}"
+            for r in mine
+            for ref in mine
+            if r["name"].endswith(" offload")
+            and not r["name"].endswith("no offload")
+            and ref["name"] == r["name"].replace("offload", "no offload")
+        ]
+        ax.set_title("\n".join([base, *said]), fontsize=9)
+        ax.set_xlabel("finetune step after a weights-only load")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=8)
+    fig.suptitle("#5071: --optimizer-cpu-offload finetune from a loaded checkpoint", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+
+
+def verdict(row: dict, ref: dict) -> str:
+    """Whether an offload run keeps the loaded weights: its largest loss gap to no offload."""
+    gap = max(abs(a - b) for a, b in zip(row["finetune"], ref["finetune"], strict=True))
+    return f"{'keeps the load' if gap < 0.1 else 'LOSES the load'} ({gap:.2f})"
 
 
 def verdict_title(rows: list[dict]) -> str:
     by = {r["name"]: r for r in rows if "finetune" in r}
-    parts = []
-    for name, row in by.items():
-        if not name.endswith("offload"):
-            continue
-        ref = by.get(name.replace("offload", "no offload"))
-        if ref is None:
-            continue
-        gap = max(abs(a - b) for a, b in zip(row["finetune"], ref["finetune"], strict=True))
-        parts.append(f"{name}: {'keeps the load' if gap < 0.1 else 'LOSES the load'} ({gap:.2f})")
+    parts = [
+        f"{name}: {verdict(row, by[name.replace('offload', 'no offload')])}"
+        for name, row in by.items()
+        if not name.endswith("no offload") and name.replace("offload", "no offload") in by
+    ]
     return "#5071 --optimizer-cpu-offload finetune, max gap to no offload: " + "; ".join(parts)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", action="append", required=True, help="NAME=DIR, repeatable")
+    parser.add_argument("--tree", action="append", default=[], help="NAME=DIR, repeatable")
+    parser.add_argument("--replot", type=Path, help="redraw the plot of a hybrid_finetune.json")
     args = parser.parse_args()
+    if args.replot:
+        rows = json.loads(args.replot.read_text())
+        print(verdict_title(rows))
+        plot(rows, args.replot.with_suffix(".png"))
+        return 0
+    if not args.tree:
+        parser.error("--tree NAME=DIR is required (or --replot JSON)")
     rows = []
     for spec in args.tree:
         tree, _, path = spec.partition("=")
