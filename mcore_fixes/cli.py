@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import checkout, git, installed, lint, report, sources, variants
+from . import affected, checkout, git, installed, lint, report, sources, variants
 from . import manifest as manifest_mod
 from .errors import CheckFailed, UserError
 from .manifest import Baseline, Manifest
@@ -31,6 +31,7 @@ from .series import (
 from .vendor import (
     INFO_NAME,
     export,
+    fix_name,
     refuse_symlinks,
     replace_all,
     series_hashes,
@@ -55,6 +56,7 @@ CLONE_ONLY = (
     "lint-patches",
     "suites",
     "upstream",
+    "docs",
 )
 
 
@@ -120,7 +122,7 @@ def cmd_vendor(args: argparse.Namespace) -> int:
     b = m.baseline(args.baseline or m.default)
     progress = Progress()
     tree = _pristine(args, b, progress)
-    record = vendor(args.root, m, b, tree, args.force, progress)
+    record = vendor(args.root, m, b, tree, args.force, progress, chosen=bool(args.baseline))
     print(f"vendored megatron-core {b.name} into {args.root / 'megatron'}")
     if not b.installs_on(sys.version_info[:2]):
         print(
@@ -128,11 +130,11 @@ def cmd_vendor(args: argparse.Namespace) -> int:
             f"{sys.version_info[0]}.{sys.version_info[1]}); its tree still serves tests here"
         )
     for entry in record["applied"]:
-        print(f"  applied   {entry['id']} (fix {entry['fix']})")
+        print(f"  applied   {entry['id']} ({fix_name(entry)})")
         for line in left_out_lines(entry["id"], entry.get("left_out", {})):
             print(f"            {line}")
     for entry in record["not_applied"]:
-        print(f"  {entry['state']:<9} {entry['id']} (fix {entry['fix']}): {entry['reason']}")
+        print(f"  {entry['state']:<9} {entry['id']} ({fix_name(entry)}): {entry['reason']}")
     return 0
 
 
@@ -158,7 +160,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         print(f"dry run, nothing written: the series would change {len(outcome.touched)} file(s):")
         print("".join(f"  {path}\n" for path in outcome.touched), end="")
     elif args.no_commit:
-        print(f"undo: {checkout.restore_command(top, outcome.touched)}")
+        print(f"undo: python -m mcore_fixes unapply {top}")
     elif git.out(top, "rev-parse", "HEAD") != before:
         print(f"undo: python -m mcore_fixes unapply {top}   (HEAD was {before[:12]})")
     if detached and not args.no_commit:
@@ -176,34 +178,33 @@ def cmd_unapply(args: argparse.Namespace) -> int:
     top = checkout.toplevel(Path(args.checkout).resolve())
     try:
         new, orig, recovered = checkout.unapply(top)
-    except checkout.NothingToUndo:
-        staged = _staged_series(args, top)
-        if staged:
-            raise CheckFailed(
-                f"{top}: nothing committed to undo, but the series is staged, not committed "
-                f"(`apply --no-commit`): {len(staged)} file(s) hold its changes in the index "
-                f"and the work tree: {', '.join(staged)}; undo it with: "
-                f"{checkout.restore_command(top, staged)} (nothing was changed)"
-            ) from None
-        raise
+    except checkout.NothingToUndo as nothing:  # nothing committed: is the series staged?
+        m = _manifest(args)
+        try:
+            b, _ = checkout.detect_baseline(m, top)
+        except UserError:
+            raise nothing from None
+        if nothing.recovered:
+            print(f"{top}: {nothing.recovered}")
+        restored, recovered = checkout.unapply_staged(m, top, b)
+        if recovered:
+            print(f"{top}: {recovered}")
+        if not restored:
+            raise nothing from None
+        print(
+            f"{top}: the series was staged, not committed (`apply --no-commit`): "
+            f"{len(restored)} file(s) back as HEAD has them, in the index and the work tree; "
+            "every other change is kept:"
+        )
+        print("".join(f"  {path}\n" for path in restored), end="")
+        print(f"  to apply the series again: python -m mcore_fixes apply {top}")
+        return 0
     if recovered:
         print(f"{top}: {recovered}")
     if new:
         print(f"{top}: HEAD back at {orig[:12]}, where `apply` found it (it was {new[:12]})")
     print(f"  to apply the series again: python -m mcore_fixes apply {top}")
     return 0
-
-
-def _staged_series(args: argparse.Namespace, top: Path) -> list[str]:
-    """The files of the series staged in `top` by `apply --no-commit` (none: [])."""
-    m = _manifest(args)
-    try:
-        b, _ = checkout.detect_baseline(m, top)
-        outcome = checkout.apply(m, top, b, commit=False, dry_run=True)
-    except UserError:
-        return []
-    staged = any("(staged, not committed)" in what for _, what in outcome.report)
-    return outcome.touched if staged else []
 
 
 def _status_cells(args: argparse.Namespace, m: Manifest, progress: Progress) -> list[Cell]:
@@ -471,9 +472,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 1
     print(f"base: {record['baseline']} ({record['source']}, pin {record['pin']})")
     for entry in record["applied"]:
-        print(f"  applied   fix {entry['fix']}: {entry['id']} ({entry['file']})")
+        print(f"  applied   {entry['id']} ({fix_name(entry)}; {entry['file']})")
     for entry in record["not_applied"]:
-        print(f"  {entry['state']:<9} fix {entry['fix']}: {entry['id']}: {entry['reason']}")
+        print(f"  {entry['state']:<9} {entry['id']} ({fix_name(entry)}): {entry['reason']}")
     carried = [e for e in record["applied"] if e.get("upstream")]
     if carried:
         print(f"upstream's own fixes this fork adds to {record['baseline']} (not in this base):")
@@ -483,9 +484,26 @@ def cmd_info(args: argparse.Namespace) -> int:
         where += ", ".join(up["branches"])
         print(f"  #{up['pr']} {entry['id']} ({where}): {up['url']}")
         if up.get("affects"):
-            print(f"      affects runs with {up['affects']}")
+            print(f"      affects: {up['affects']}")
     if missing:
         raise CheckFailed(f"the fork is installed but cannot run here: {missing}")
+    return 0
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    """The generated parts of the docs, from the manifest: README's "Am I affected?" table."""
+    m = _manifest(args)
+    readme = args.root / "README.md"
+    old = readme.read_text(encoding="utf-8")
+    new = affected.replace_block(old, affected.markdown(m))
+    if new == old:
+        print("README.md: up to date")
+        return 0
+    if args.check:
+        print("README.md: its table differs from the manifest's: run `python -m mcore_fixes docs`")
+        return 1
+    replace_all({readme: new}, within=args.root)
+    print("README.md: table written")
     return 0
 
 
@@ -649,6 +667,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", action="append", help="test path (repeatable; default: the homes)")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     p.set_defaults(func=cmd_suites)
+
+    p = sub.add_parser("docs", help="write the docs' generated parts (README's bug table)")
+    p.add_argument("--check", action="store_true", help="only say whether they are up to date")
+    p.set_defaults(func=cmd_docs)
 
     p = sub.add_parser("audit", help="does a checkpoint carry the damage of these bugs? (CPU)")
     p.add_argument(

@@ -138,15 +138,14 @@ def stack_blobs(tree: Path, cells: list[Cell]) -> dict[tuple[str, str], str]:
 
 def effective_series(m: Manifest, b: Baseline, cells: list[Cell] | None) -> list[tuple[str, Path]]:
     """(patch id, file) of the patches that apply on `b`, in order: from `cells` (the series
-    applied to its tree) where at hand, else from the manifest (no absent, no fixed-upstream, no
-    upstream commit carried from the branch `b` follows: it is already there)."""
+    applied to its tree) where at hand, else from the manifest (no absent, none that upstream has
+    already: fixed-upstream, applied-upstream, or carried from the branch `b` follows)."""
     if cells is not None:
         return [(c.patch, m.root / c.file) for c in cells if c.state == APPLIES]
     found = []
     for p in m.patches:
         path = m.patch_file(b, p)
-        upstream = b.is_git and b.ref in p.upstream_branches
-        if path is not None and p.id not in b.fixed_upstream and not upstream and path.exists():
+        if path is not None and not m.upstream_has(b, p) and path.exists():
             found.append((p.id, path))
     return found
 
