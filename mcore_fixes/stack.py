@@ -34,6 +34,7 @@ from pathlib import Path
 
 from . import git
 from .manifest import Baseline, Manifest
+from .pytests import pytest_command
 from .series import (
     APPLIES,
     NO_TESTS_OPTS,
@@ -367,8 +368,6 @@ def collect(
     tests/unit_tests/ written to a scratch folder): (collected, the first error line); None:
     it needs a module neither the interpreter nor the tree has, and no patch of the series
     (`series_paths`: the paths its patches touch) makes."""
-    from .prove import pytest_command  # noqa: PLC0415
-
     if not git.ok(tree, "cat-file", "-e", f"{tree_object}:tests/unit_tests"):
         return None, "this tree has no upstream tests/unit_tests/ to collect them in"
     archive = subprocess.run(
