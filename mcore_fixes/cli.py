@@ -149,8 +149,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     print(f"{top}: baseline {b.name} ({why})")
     before = git.out(top, "rev-parse", "HEAD")
     outcome = checkout.apply(m, top, b, commit=not args.no_commit, dry_run=args.dry_run)
-    for patch_id, what in outcome.report:
-        print(f"  {patch_id}: {what}")
+    print(_by_fix(m, outcome.report), end="")
     done = ("already applied", "absent", "fixed upstream")
     if all(what.startswith(done) for _, what in outcome.report):
         print("nothing to do: the series is already applied")
@@ -172,6 +171,23 @@ def cmd_apply(args: argparse.Namespace) -> int:
             f"git -C {top} switch -c BRANCH-NAME"
         )
     return 0
+
+
+def _by_fix(m: Manifest, report: list[tuple[str, str]]) -> str:
+    """`apply`'s report, its patches under the fix each belongs to (`moe-loss-scales:`,
+    `upstream #5077:`), in series order; lines of no patch (a recovery) first, unindented."""
+    ids = {p.id: p for p in m.patches}
+    lines, group = [], None
+    for patch_id, what in report:
+        p = ids.get(patch_id)
+        if p is None:
+            lines.append(f"  {patch_id}: {what}")
+            continue
+        if m.fix_label(p) != group:
+            group = m.fix_label(p)
+            lines.append(f"  {group}:")
+        lines.append(f"    {patch_id}: {what}")
+    return "".join(f"{line}\n" for line in lines)
 
 
 def cmd_unapply(args: argparse.Namespace) -> int:
@@ -491,19 +507,35 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
-    """The generated parts of the docs, from the manifest: README's "Am I affected?" table."""
+    """The generated docs: README's "Am I affected?" table (from the manifest) and
+    docs/evidence.md (from the stored proofs and docs/gpu/). The evidence page is written only
+    where every baseline's tree is at hand (git baselines: a checkout, or build/trees)."""
+    from . import evidence  # noqa: PLC0415
+
     m = _manifest(args)
     readme = args.root / "README.md"
-    old = readme.read_text(encoding="utf-8")
-    new = affected.replace_block(old, affected.markdown(m))
-    if new == old:
-        print("README.md: up to date")
-        return 0
+    pages = {
+        readme: affected.replace_block(readme.read_text(encoding="utf-8"), affected.markdown(m))
+    }
+    args.baseline = None
+    cells = _status_cells(args, m, Progress())
+    skipped = sorted({c.baseline for c in cells if c.state == SKIPPED})
+    page = args.root / "docs" / "evidence.md"
+    if skipped:
+        print(f"docs/evidence.md: not written: {', '.join(skipped)}: {NO_CHECKOUT}")
+    else:
+        pages[page] = evidence.markdown(m, cells, args.root / "docs")
+    stale = [p for p, text in pages.items() if not p.exists() or p.read_text("utf-8") != text]
+    for path in pages:
+        rel = path.relative_to(args.root).as_posix()
+        print(f"{rel}: {'differs from its sources' if path in stale else 'up to date'}")
     if args.check:
-        print("README.md: its table differs from the manifest's: run `python -m mcore_fixes docs`")
-        return 1
-    replace_all({readme: new}, within=args.root)
-    print("README.md: table written")
+        if stale:
+            print("run `python -m mcore_fixes docs` to write them")
+        return 1 if stale else 0
+    replace_all({p: pages[p] for p in stale}, within=args.root)
+    if stale:
+        print(f"written: {', '.join(p.relative_to(args.root).as_posix() for p in stale)}")
     return 0
 
 
@@ -668,8 +700,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     p.set_defaults(func=cmd_suites)
 
-    p = sub.add_parser("docs", help="write the docs' generated parts (README's bug table)")
+    p = sub.add_parser(
+        "docs", help="write the generated docs: README's bug table, docs/evidence.md"
+    )
     p.add_argument("--check", action="store_true", help="only say whether they are up to date")
+    with_repo(p)
     p.set_defaults(func=cmd_docs)
 
     p = sub.add_parser("audit", help="does a checkpoint carry the damage of these bugs? (CPU)")

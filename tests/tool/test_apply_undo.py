@@ -15,6 +15,7 @@ def test_dry_run_says_what_would_change_and_writes_nothing(world, project, tool,
     assert r.rc == 0, r.err
     assert "baseline 0.1.0 (megatron/core/package_info.py says 0.1.0" in r.out
     assert "  fix-mean: would be committed (patches/0001-fix-mean.patch)" in r.out
+    assert "\n  fix 1:\n    fix-mean: would be committed" in r.out  # under its fix's name
     assert "  weak-test: would be committed (patches/0003-weak-test.patch)" in r.out
     assert "dry run, nothing written: the series would change 6 file(s):" in r.out
     assert "  megatron/core/calc.py\n" in r.out and f"  {TEST_FILES['join-sep']}\n" in r.out
