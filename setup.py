@@ -27,7 +27,8 @@ INFO = ROOT / "megatron" / "core" / "_mcore_fixes.json"
 sys.path.insert(0, str(ROOT))
 from mcore_fixes import manifest  # noqa: E402
 from mcore_fixes.errors import UserError  # noqa: E402
-from mcore_fixes.vendor import fix_name, unexported_edits, vendored_choice  # noqa: E402
+from mcore_fixes.installed import fix_name  # noqa: E402
+from mcore_fixes.maint.vendor import unexported_edits, vendored_choice  # noqa: E402
 
 
 def _here() -> str:
@@ -196,7 +197,13 @@ setup(
     install_requires=requirements(base),
     extras_require=base["optional-dependencies"],
     packages=find_namespace_packages(
-        include=["megatron.core", "megatron.core.*", "mcore_fixes", "mcore_fixes.audit"]
+        include=[
+            "megatron.core",
+            "megatron.core.*",
+            "mcore_fixes",
+            "mcore_fixes.audit",
+            "mcore_fixes.maint",
+        ]
     ),
     package_data=package_data(ROOT / "megatron" / "core"),
     ext_modules=[helpers_extension()],

@@ -13,12 +13,24 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import affected, checkout, git, installed, lint, report, sources, variants
+from . import checkout, git, installed, sources
 from . import manifest as manifest_mod
 from .errors import CheckFailed, UserError
+from .installed import INFO_NAME, fix_name
+from .maint import affected, lint, report, variants
+from .maint.prove import Runs, Servers, attach_proofs, prove_baseline
+from .maint.pytests import pytest_command
+from .maint.vendor import (
+    export,
+    refuse_symlinks,
+    replace_all,
+    series_hashes,
+    vendor,
+    vendored_baseline,
+    verify_vendored,
+)
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .prove import Runs, Servers, attach_proofs, prove_baseline, pytest_command
 from .series import (
     OK_STATES,
     SKIPPED,
@@ -27,17 +39,6 @@ from .series import (
     left_out_lines,
     read_patch,
     test_files,
-)
-from .vendor import (
-    INFO_NAME,
-    export,
-    fix_name,
-    refuse_symlinks,
-    replace_all,
-    series_hashes,
-    vendor,
-    vendored_baseline,
-    verify_vendored,
 )
 
 if TYPE_CHECKING:  # numpy, which `audit` needs, is imported for that verb only
@@ -412,7 +413,7 @@ def cmd_test(args: argparse.Namespace) -> int:
 
 
 def cmd_lint_patches(args: argparse.Namespace) -> int:
-    """Each commit of the series, checked like upstream's CI (see mcore_fixes/lint.py)."""
+    """Each commit of the series, checked like upstream's CI (see mcore_fixes/maint/lint.py)."""
     m = _manifest(args)
     progress = Progress()
     return lint.lint_patches(
@@ -427,7 +428,7 @@ def cmd_lint_patches(args: argparse.Namespace) -> int:
 
 
 def cmd_suites(args: argparse.Namespace) -> int:
-    from . import suites  # noqa: PLC0415
+    from .maint import suites  # noqa: PLC0415
 
     m = _manifest(args)
     source = Path(args.checkout).resolve()
@@ -446,7 +447,7 @@ def cmd_suites(args: argparse.Namespace) -> int:
 
 
 def cmd_upstream(args: argparse.Namespace) -> int:
-    from . import upstream  # noqa: PLC0415
+    from .maint import upstream  # noqa: PLC0415
 
     repo = sources.mcore_repo_from(args.mcore_repo)
     if repo is None:
@@ -510,7 +511,7 @@ def cmd_docs(args: argparse.Namespace) -> int:
     """The generated docs: README's "Am I affected?" table (from the manifest) and
     docs/evidence.md (from the stored proofs and docs/gpu/). The evidence page is written only
     where every baseline's tree is at hand (git baselines: a checkout, or build/trees)."""
-    from . import evidence  # noqa: PLC0415
+    from .maint import evidence  # noqa: PLC0415
 
     m = _manifest(args)
     readme = args.root / "README.md"
@@ -533,6 +534,9 @@ def cmd_docs(args: argparse.Namespace) -> int:
         if stale:
             print("run `python -m mcore_fixes docs` to write them")
         return 1 if stale else 0
+    for path in stale:
+        refuse_symlinks(path, args.root)  # before a folder is made
+        path.parent.mkdir(parents=True, exist_ok=True)
     replace_all({p: pages[p] for p in stale}, within=args.root)
     if stale:
         print(f"written: {', '.join(p.relative_to(args.root).as_posix() for p in stale)}")

@@ -34,7 +34,7 @@ class Patch:
     upstream_pr: int = 0
     origin: str = ""
     upstream_branches: tuple[str, ...] = ()
-    # a carried upstream fix's row of README's "Am I affected?" (mcore_fixes/affected.py): the
+    # a carried upstream fix's row of README's "Am I affected?" (mcore_fixes/maint/affected.py): the
     # runs it damages (flags), what goes wrong, and the `audit` check that finds it in a
     # checkpoint or why none does; our own fixes' rows are their [fixes.N] tables (Fix)
     affects: str = ""

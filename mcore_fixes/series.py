@@ -33,8 +33,8 @@ CONFLICT = "conflict"
 SKIPPED = "skipped"
 MISSING = "missing"  # the manifest names a patch file that does not exist (yet)
 OK_STATES = (APPLIES, UPSTREAM, FIXED)
-# README's releases of a fix come from the manifest (mcore_fixes/affected.py): a patch found in
-# a baseline's code must be recorded there too
+# README's releases of a fix come from the manifest (mcore_fixes/maint/affected.py): a patch
+# found in a baseline's code must be recorded there too
 UNRECORDED = "the manifest does not record it: add it to this baseline's applied-upstream table"
 
 

@@ -9,8 +9,9 @@ import re
 import pytest
 from toolworld import MAIN
 
-from mcore_fixes import affected, manifest
+from mcore_fixes import manifest
 from mcore_fixes.errors import UserError
+from mcore_fixes.maint import affected
 
 M = manifest.load(MAIN / "patches" / "manifest.toml")
 README = (MAIN / "README.md").read_text(encoding="utf-8")

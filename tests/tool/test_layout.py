@@ -52,3 +52,34 @@ def test_no_import_circle_in_the_package():
     for name in sorted(graph):
         walk(name, [name])
     assert circles == []
+
+
+def closure(graph: dict[str, set[str]], name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        node = todo.pop()
+        for dep in graph.get(node, ()):
+            if dep in graph and dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_what_users_run_needs_none_of_the_maintainers_tooling():
+    """apply / unapply (checkout), info (installed) and audit import only the core they share
+    with the maintainers' tooling (mcore_fixes/maint/), never that tooling: each side reads
+    alone."""
+    graph = modules()
+    assert {n for n in graph if n.startswith("maint.")} >= {"maint.prove", "maint.vendor"}
+    for user in ("checkout", "installed", "audit"):
+        assert not {n for n in closure(graph, user) if n.startswith("maint")}, user
+    for core in ("manifest", "series", "sources", "git", "errors", "progress"):
+        assert not {n for n in closure(graph, core) if n.startswith("maint")}, core
+
+
+def test_every_relative_import_names_a_module_of_the_package():
+    graph = modules()
+    missing = sorted(
+        f"{name}: {dep}" for name, deps in graph.items() for dep in deps if dep not in graph
+    )
+    assert missing == []

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from toolworld import FORMAT_PATCH, commit_all, git, write
 
-from mcore_fixes import manifest, stack
+from mcore_fixes import manifest
+from mcore_fixes.maint import stack
 
 
 def _section(path: str, pre: str, post: str) -> str:

@@ -345,7 +345,7 @@ def test_export_refuses_a_patch_file_changed_since_vendor(world, project, tool):
 
 
 def test_patch_files_are_replaced_all_or_none(tmp_path, monkeypatch):
-    from mcore_fixes import vendor as vendor_mod
+    from mcore_fixes.maint import vendor as vendor_mod
 
     a, b = tmp_path / "a.patch", tmp_path / "b.patch"
     a.write_text("old a")

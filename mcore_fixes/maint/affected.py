@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import UserError
-from .manifest import Baseline, Manifest, Patch
+from ..errors import UserError
+from ..manifest import Baseline, Manifest, Patch
 
 BEGIN = (
     "<!-- affected:begin: generated from patches/manifest.toml by `python -m mcore_fixes docs` -->"

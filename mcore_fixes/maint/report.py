@@ -7,8 +7,8 @@ import re
 import textwrap
 from pathlib import Path
 
-from .manifest import Manifest, Patch
-from .series import Cell
+from ..manifest import Manifest, Patch
+from ..series import Cell
 
 _PROOF_MARK = {
     "proven": "proven",

@@ -32,10 +32,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import git
-from .manifest import Baseline, Manifest
-from .pytests import pytest_command
-from .series import (
+from .. import git
+from ..manifest import Baseline, Manifest
+from ..series import (
     APPLIES,
     NO_TESTS_OPTS,
     Cell,
@@ -44,6 +43,7 @@ from .series import (
     read_patch,
     test_files,
 )
+from .pytests import pytest_command
 
 ZERO = re.compile(r"^0+$")
 _INDEX = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: \d+)?$")

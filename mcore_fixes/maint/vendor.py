@@ -9,13 +9,13 @@ import shutil
 import tomllib
 from pathlib import Path
 
-from . import git
-from .errors import CheckFailed, UserError
-from .manifest import Baseline, Manifest, Patch
-from .progress import Progress
-from .series import OK_STATES, Cell, apply_series, file_sha256, read_patch, test_files
+from .. import git
+from ..errors import CheckFailed, UserError
+from ..installed import INFO_NAME
+from ..manifest import Baseline, Manifest, Patch
+from ..progress import Progress
+from ..series import OK_STATES, Cell, apply_series, file_sha256, read_patch, test_files
 
-INFO_NAME = "_mcore_fixes.json"  # written into megatron/core/, shipped with the install
 STATE_NAME = "vendor.json"  # in build/: baseline and file hashes of the vendored tree
 IGNORED_SUFFIXES = (".pyc", ".so", ".pyd")
 
@@ -91,11 +91,6 @@ def info_record(manifest: Manifest, b: Baseline, tree: Path, cells: list[Cell]) 
         ],
         "base_metadata": base_metadata(tree),
     }
-
-
-def fix_name(entry: dict) -> str:
-    """The fix of a record's entry as users read it (records before names: `fix N`)."""
-    return entry.get("name") or f"fix {entry['fix']}"
 
 
 def _upstream(p: Patch) -> dict:

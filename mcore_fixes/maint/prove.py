@@ -29,13 +29,11 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import forkserver, git
-from .errors import UserError
-from .forkserver import ForkServer, Gone, run_fresh
-from .manifest import Baseline, Manifest
-from .progress import Progress
-from .pytests import pytest_command
-from .series import (
+from .. import git
+from ..errors import UserError
+from ..manifest import Baseline, Manifest
+from ..progress import Progress
+from ..series import (
     APPLIES,
     CONFLICT,
     FIXED,
@@ -47,6 +45,9 @@ from .series import (
     read_patch,
     test_files,
 )
+from . import forkserver
+from .forkserver import ForkServer, Gone, run_fresh
+from .pytests import pytest_command
 from .stack import alone
 
 PROOFS_DIR = Path("build") / "proofs"
