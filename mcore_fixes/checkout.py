@@ -498,7 +498,8 @@ def _apply(
         text = read_patch(path)
         whole = p.id in b.fixed_upstream  # applied only if all of it is there
         if p.id in contained or fit(checkout, path, "--cached", "-R", env=env, whole=whole):
-            report.append((p.id, "already applied"))
+            where = manifest.upstream_has(b, p)  # upstream's code there, not an earlier apply
+            report.append((p.id, f"already in {b.name}: {where}" if where else "already applied"))
             continue
         opts, left_out = fit(checkout, path, "--cached", env=env) or ((), {})
         proc = git.run(checkout, *APPLY, "--cached", *opts, patch_arg(path), check=False, env=env)

@@ -151,7 +151,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     before = git.out(top, "rev-parse", "HEAD")
     outcome = checkout.apply(m, top, b, commit=not args.no_commit, dry_run=args.dry_run)
     print(_by_fix(m, outcome.report), end="")
-    done = ("already applied", "absent", "fixed upstream")
+    done = ("already applied", "already in ", "absent", "fixed upstream")
     if all(what.startswith(done) for _, what in outcome.report):
         print("nothing to do: the series is already applied")
         return 0
