@@ -23,8 +23,9 @@ import nox
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from mcore_fixes import lint, sources  # noqa: E402
 from mcore_fixes import manifest as manifest_mod  # noqa: E402
+from mcore_fixes import sources  # noqa: E402
+from mcore_fixes.maint import lint  # noqa: E402
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.reuse_venv = "yes"
@@ -35,7 +36,8 @@ BASELINES = list(MANIFEST.baselines)
 TORCH = os.environ.get("MCORE_FIXES_TORCH", "torch==2.13.0")
 # MCore imports these on CPU; 0.18.2+ import triton unguarded (MoE paged stash).
 TEST_DEPS = ("numpy", "packaging", "pytest", "einops")
-# Upstream main's pins of its lint tools (mcore_fixes/lint.py), and the griffe we measured with.
+# Upstream main's pins of its lint tools (mcore_fixes/maint/lint.py), and the griffe we measured
+# with.
 UPSTREAM_BLACK = tuple(f"{n}=={lint.DEFAULT_PINS[n]}" for n in ("black", "isort"))
 UPSTREAM_LINT = (
     *UPSTREAM_BLACK,

@@ -1,7 +1,9 @@
 """Build the vendored, patched `megatron/core` as the distribution `megatron-core`.
 
-`pip install .` materializes the manifest's default baseline first if `megatron/` is absent
-(`python -m mcore_fixes vendor`), or holds a base whose fork cannot install on this Python.
+`pip install .` materializes the manifest's default baseline for this Python first if
+`megatron/` is absent (`python -m mcore_fixes vendor`), holds a base whose fork cannot install
+on this Python, or holds another Python's default (a base chosen with `vendor --baseline`, or
+edited, is kept); it says which base it builds (stderr: `pip install -v` shows it).
 The version is `<base>+fixes.<n>`, n = patches applied; the base's own requirements and
 extras are kept; the applied / not-applicable patches are recorded in
 `megatron/core/_mcore_fixes.json` and in the package summary (`python -m mcore_fixes info`).
@@ -25,54 +27,77 @@ INFO = ROOT / "megatron" / "core" / "_mcore_fixes.json"
 sys.path.insert(0, str(ROOT))
 from mcore_fixes import manifest  # noqa: E402
 from mcore_fixes.errors import UserError  # noqa: E402
-from mcore_fixes.vendor import unexported_edits  # noqa: E402
+from mcore_fixes.installed import fix_name  # noqa: E402
+from mcore_fixes.maint.vendor import unexported_edits, vendored_choice  # noqa: E402
 
 
-def replace_unfit_base() -> list[str]:
-    """`vendor` arguments that replace a vendored base whose fork cannot install on this Python
-    (e.g. 0.19.2 needs 3.12) by the default here; [] where it fits. A tree with edits is kept:
-    the error names the one command that fixes it."""
+def _here() -> str:
+    return f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def say(line: str) -> None:
+    print(f"mcore-fixes: {line}", file=sys.stderr)  # pip shows it with -v, and on failure
+
+
+def rebuild_args() -> list[str] | None:
+    """`vendor` arguments that replace the vendored base by the default for this Python, or
+    None where it is built as it is. Replaced: a base whose fork cannot install here (e.g.
+    0.19.2 on 3.11), and one that another Python chose by default (0.16.1, vendored by an
+    install on 3.11, when 3.12 installs): only `vendor --baseline` keeps a base. A tree with
+    edits is never replaced: built as it is, or, where it cannot install here, the error names
+    the one command that fixes it."""
     try:
         m = manifest.load(ROOT / "patches" / "manifest.toml")
         b = m.baselines.get(json.loads(INFO.read_text())["baseline"])
-        here = sys.version_info[:2]
-        if b is not None and b.installs_on(here) and b.name != m.default:
-            print(  # kept: it may be chosen (`vendor --baseline`), or left by another Python
-                f"mcore-fixes: building the vendored {b.name}, not {m.default} (the default on "
-                f"Python {here[0]}.{here[1]}): `python -m mcore_fixes vendor --force` first "
-                f"builds {m.default}",
-                file=sys.stderr,
-            )
-        if b is None or b.installs_on(here):
-            return []
+        if b is None or b.name == m.default:
+            return None
+        choice = vendored_choice(ROOT)
+        chosen = choice is None or choice[1]  # no record of how (no build/): kept as chosen
         edits = unexported_edits(ROOT)
     except UserError as exc:
         sys.exit(f"mcore-fixes: {exc}")
-    why = (
-        f"megatron/ holds {b.name}, whose fork needs Python >= {b.python}, not {here[0]}.{here[1]}"
-    )
+    here = _here()
+    if b.installs_on(sys.version_info[:2]):
+        if chosen or edits is not False:
+            why = "chosen with `vendor --baseline`" if chosen else "it has edits"
+            say(
+                f"building the vendored {b.name} ({why}), not {m.default}, the default on "
+                f"Python {here}: `python -m mcore_fixes vendor --force` first builds {m.default}"
+            )
+            return None
+        say(
+            f"megatron/ holds {b.name}, the default of the Python that vendored it; "
+            f"vendoring {m.default}, the default on Python {here} (`python -m mcore_fixes "
+            f"vendor --baseline {b.name}` first keeps {b.name})"
+        )
+        return ["--force"]
+    why = f"megatron/ holds {b.name}, whose fork needs Python >= {b.python}, not {here}"
     if edits is not False:  # edited, or None: an interrupted vendor
         fix = f"python -m mcore_fixes vendor --baseline {m.default} --force"
         sys.exit(f"mcore-fixes: {why}, and has edits: run `{fix}` (`export` first keeps them)")
-    print(f"mcore-fixes: {why}: vendoring {m.default}, the default here", file=sys.stderr)
+    say(f"{why}: vendoring {m.default}, the default here")
     return ["--baseline", m.default, "--force"]
 
 
 def vendored_info() -> dict:
-    """The vendored tree's record; `vendor` first if there is none or it cannot install here
-    (its report on stderr)."""
-    again = replace_unfit_base() if INFO.exists() else []
-    if again or not INFO.exists():
-        if not again:
-            print(
-                "mcore-fixes: no vendored megatron/ yet: downloading the pinned megatron-core "
-                "sdist (unless cached) and applying the patches (python -m mcore_fixes vendor)",
-                file=sys.stderr,
+    """The vendored tree's record; `vendor` first if there is none or it is not the base to
+    build here (its report on stderr); then which base this Python builds, said."""
+    again = rebuild_args() if INFO.exists() else None
+    if again is not None or not INFO.exists():
+        if again is None:
+            say(
+                "no vendored megatron/ yet: downloading the pinned megatron-core "
+                "sdist (unless cached) and applying the patches (python -m mcore_fixes vendor)"
             )
-        vendor = [sys.executable, "-m", "mcore_fixes", "vendor", *again]
+        vendor = [sys.executable, "-m", "mcore_fixes", "vendor", *(again or [])]
         if subprocess.run(vendor, cwd=ROOT, stdout=sys.stderr).returncode != 0:
             sys.exit(f"mcore-fixes: `python {' '.join(vendor[1:])}` failed (see above)")
-    return json.loads(INFO.read_text())
+    info = json.loads(INFO.read_text())
+    say(
+        f"building megatron-core {info['version']}+fixes.{len(info['applied'])} for Python "
+        f"{_here()}: base {info['baseline']}, {len(info['applied'])} patches applied"
+    )
+    return info
 
 
 def clean_build_dirs() -> None:
@@ -146,9 +171,9 @@ def fork_summary(info: dict) -> str:
     """What this build contains, for the package metadata (also: python -m mcore_fixes info)."""
     lines = [f"# megatron-core {info['baseline']} + mcore-fixes", "", f"Base pin: {info['pin']}"]
     lines.append("")
-    lines += [f"- applied: fix {p['fix']} `{p['id']}` ({p['file']})" for p in info["applied"]]
+    lines += [f"- applied: `{p['id']}` ({fix_name(p)}; {p['file']})" for p in info["applied"]]
     lines += [
-        f"- not applied: fix {p['fix']} `{p['id']}`: {p['state']}: {p['reason']}"
+        f"- not applied: `{p['id']}` ({fix_name(p)}): {p['state']}: {p['reason']}"
         for p in info["not_applied"]
     ]
     return "\n".join(lines) + "\n\n"
@@ -172,7 +197,13 @@ setup(
     install_requires=requirements(base),
     extras_require=base["optional-dependencies"],
     packages=find_namespace_packages(
-        include=["megatron.core", "megatron.core.*", "mcore_fixes", "mcore_fixes.audit"]
+        include=[
+            "megatron.core",
+            "megatron.core.*",
+            "mcore_fixes",
+            "mcore_fixes.audit",
+            "mcore_fixes.maint",
+        ]
     ),
     package_data=package_data(ROOT / "megatron" / "core"),
     ext_modules=[helpers_extension()],

@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-from mcore_fixes.suites import STATES, read_junit
+from mcore_fixes.maint.suites import STATES, read_junit
 
 
 def failure_causes(paths: list[Path]) -> Counter[str]:

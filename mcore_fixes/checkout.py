@@ -168,6 +168,7 @@ UNAPPLY_REFLOG = "mcore_fixes unapply"
 class Outcome:
     report: list[tuple[str, str]]  # (patch id, what happened / would happen)
     touched: list[str] = field(default_factory=list)  # files the series changed (or would)
+    staged: str = ""  # the series' commit object, where `apply --no-commit` staged it already
 
 
 def apply(
@@ -217,6 +218,8 @@ def apply(
 class NothingToUndo(CheckFailed):
     """HEAD's reflog holds no `apply` that `unapply` could undo."""
 
+    recovered = ""  # what `unapply` finished or undid of an interrupted run before finding it
+
 
 def unapply(checkout: Path) -> tuple[str, str, str]:
     """Move HEAD back to where the last `apply` found it; return (HEAD before it, after it,
@@ -240,9 +243,10 @@ def unapply(checkout: Path) -> tuple[str, str, str]:
         recovered, finished = _recover(checkout, state)
         try:
             orig, new = _last_apply(checkout)
-        except NothingToUndo:
+        except NothingToUndo as exc:
             if finished == "unapply":
                 return "", git.out(checkout, "rev-parse", "HEAD"), recovered
+            exc.recovered = recovered  # said by the caller, which looks for a staged series
             raise
         touched = git.out(checkout, "diff", "--name-only", "--no-renames", orig, new).splitlines()
         dirty = git.out(checkout, "status", "--porcelain", "--untracked-files=all", "--", *touched)
@@ -259,6 +263,36 @@ def unapply(checkout: Path) -> tuple[str, str, str]:
                 shutil.rmtree(state, ignore_errors=True)
         _refuse_failed(checkout, failed, kept)
     return new, orig, recovered
+
+
+def unapply_staged(manifest: Manifest, checkout: Path, b: Baseline) -> tuple[list[str], str]:
+    """Undo `apply --no-commit`: the files the series changed back to HEAD's version in the
+    index and the work tree, where both still hold exactly what it staged; every other change,
+    staged or not, stays. Return (the files put back, [] where the series is not staged; what
+    was recovered: "" or a line). Journaled like `apply` (`_move`, HEAD does not move): a run
+    killed or interrupted is completed or undone by the next `apply` or `unapply`. A series
+    staged and then edited is refused, nothing changed (CheckFailed naming the files)."""
+    gitdir = Path(git.out(checkout, "rev-parse", "--absolute-git-dir"))
+    for path in (gitdir, checkout):
+        if not os.access(path, os.W_OK):
+            raise UserError(f"{path} is not writable: cannot undo the series in {checkout}")
+    with sources.project_lock(gitdir, Progress(enabled=True)):
+        _refuse_git_locks(checkout, "unapply")
+        state = gitdir / STATE_DIR
+        recovered, _ = _recover(checkout, state)
+        state.mkdir(exist_ok=True)
+        try:
+            head = git.out(checkout, "rev-parse", "HEAD")
+            outcome = _apply(manifest, checkout, b, False, state, {}, classify_only=True)
+            if not outcome.staged:
+                return [], recovered
+            touched = outcome.touched
+            failed, kept = _move(checkout, state, "unapply", outcome.staged, head, False, touched)
+        finally:
+            if not (state / JOURNAL).exists():
+                shutil.rmtree(state, ignore_errors=True)
+        _refuse_failed(checkout, failed, kept)
+    return touched, recovered
 
 
 def _refuse_git_locks(checkout: Path, verb: str) -> None:
@@ -397,19 +431,20 @@ def _recover(checkout: Path, state: Path) -> tuple[str, str]:
     new_tree = git.run(checkout, "rev-parse", "-q", "--verify", f"{new}^{{tree}}", check=False)
     moved = bool(new) and new_tree.returncode == 0 and _index_holds(checkout, new, touched)
     what, finished = f"an interrupted {verb} was undone before it changed anything", ""
+    staged = {"apply": "apply --no-commit", "unapply": "unapply of a staged series"}[verb]
     with git.signals_held():
-        if moved and head == orig:  # git's step was done
+        if moved and (head == orig or not commit):  # git's step was done (HEAD stays if staged)
             finished = verb
             if commit:
                 git.run(checkout, "update-ref", "-m", message, "HEAD", new, orig)
                 what = f"an interrupted {verb} was completed"
             else:
-                what = f"an interrupted {verb} --no-commit had completed"
-        elif new and head == new:
+                what = f"an interrupted {staged} had completed"
+        elif new and head == new and commit:
             what, finished = f"an interrupted {verb} had completed", verb
-        elif head == orig and backup:  # killed while git wrote the files: put them back
+        elif (head == orig or not commit) and backup:  # killed while git wrote the files
             kept = _restore(checkout, state, orig, new, backup)
-            what = f"an interrupted {verb} was undone"
+            what = f"an interrupted {verb if commit else staged} was undone"
             if kept:
                 what += f" (changed since, left as they are: {', '.join(kept)})"
         elif head != orig:
@@ -429,9 +464,17 @@ def _index_holds(checkout: Path, commit: str, touched: list[str]) -> bool:
 
 
 def _apply(
-    manifest: Manifest, checkout: Path, b: Baseline, commit: bool, state: Path, odb: dict[str, str]
+    manifest: Manifest,
+    checkout: Path,
+    b: Baseline,
+    commit: bool,
+    state: Path,
+    odb: dict[str, str],
+    classify_only: bool = False,
 ) -> Outcome:
-    """`odb`: {} (objects into the checkout's repository) or a dry run's `_scratch_odb`."""
+    """`odb`: {} (objects into the checkout's repository) or a dry run's `_scratch_odb`.
+    `classify_only`: only say whether the series is staged (`Outcome.staged`); write nothing
+    but objects."""
     dry_run = bool(odb)
     for marker in ("rebase-apply", "rebase-merge", "MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD"):
         if (checkout / git.out(checkout, "rev-parse", "--git-path", marker)).exists():
@@ -455,7 +498,8 @@ def _apply(
         text = read_patch(path)
         whole = p.id in b.fixed_upstream  # applied only if all of it is there
         if p.id in contained or fit(checkout, path, "--cached", "-R", env=env, whole=whole):
-            report.append((p.id, "already applied"))
+            where = manifest.upstream_has(b, p)  # upstream's code there, not an earlier apply
+            report.append((p.id, f"already in {b.name}: {where}" if where else "already applied"))
             continue
         opts, left_out = fit(checkout, path, "--cached", env=env) or ((), {})
         proc = git.run(checkout, *APPLY, "--cached", *opts, patch_arg(path), check=False, env=env)
@@ -483,16 +527,18 @@ def _apply(
         if _staged(checkout, new, touched, odb):
             if not commit:
                 how = "already applied (staged, not committed)"
-                return Outcome(_ordered(manifest, report, todo, how), touched)
+                return Outcome(_ordered(manifest, report, todo, how), touched, staged=new)
             raise CheckFailed(
                 f"{checkout}: the series is applied but not committed (apply --no-commit?): "
-                f"`git commit` it, or discard it ({restore_command(checkout, touched)}), "
+                f"`git commit` it, or undo it (python -m mcore_fixes unapply {checkout}), "
                 "then run again"
             )
         raise CheckFailed(
             f"{checkout} has uncommitted changes in files the series touches; commit or stash "
             f"them first (nothing was changed):\n{dirty}"
         )
+    if classify_only:
+        return Outcome(report, touched)
     if commit and not git.ok(checkout, "diff", "--cached", "--quiet", env=odb):
         raise CheckFailed(f"{checkout} has staged changes; commit or unstage them first")
     changed = git.out(checkout, "diff", "--name-only", orig, new, env=odb).splitlines()
@@ -641,13 +687,6 @@ def _written_by_git(checkout: Path, rel: str, path: Path, blob: str | None) -> b
         if proc.returncode == 0 and proc.stdout.strip() == blob:
             return True
     return False
-
-
-def restore_command(checkout: Path, touched: list[str]) -> str:
-    """The git command that puts `touched` back to HEAD in the index and work tree (files
-    HEAD lacks are removed): the undo of `apply --no-commit`, which touches nothing else."""
-    files = " ".join(touched)
-    return f"git -C {checkout} restore --source=HEAD --staged --worktree -- {files}"
 
 
 def _staged(checkout: Path, new: str, touched: list[str], odb: dict[str, str]) -> bool:

@@ -13,12 +13,24 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import checkout, git, installed, lint, report, sources, variants
+from . import checkout, git, installed, sources
 from . import manifest as manifest_mod
 from .errors import CheckFailed, UserError
+from .installed import INFO_NAME, fix_name
+from .maint import affected, lint, report, variants
+from .maint.prove import Runs, Servers, attach_proofs, prove_baseline
+from .maint.pytests import pytest_command
+from .maint.vendor import (
+    export,
+    refuse_symlinks,
+    replace_all,
+    series_hashes,
+    vendor,
+    vendored_baseline,
+    verify_vendored,
+)
 from .manifest import Baseline, Manifest
 from .progress import Progress
-from .prove import Runs, Servers, attach_proofs, prove_baseline, pytest_command
 from .series import (
     OK_STATES,
     SKIPPED,
@@ -27,16 +39,6 @@ from .series import (
     left_out_lines,
     read_patch,
     test_files,
-)
-from .vendor import (
-    INFO_NAME,
-    export,
-    refuse_symlinks,
-    replace_all,
-    series_hashes,
-    vendor,
-    vendored_baseline,
-    verify_vendored,
 )
 
 if TYPE_CHECKING:  # numpy, which `audit` needs, is imported for that verb only
@@ -55,6 +57,7 @@ CLONE_ONLY = (
     "lint-patches",
     "suites",
     "upstream",
+    "docs",
 )
 
 
@@ -120,7 +123,7 @@ def cmd_vendor(args: argparse.Namespace) -> int:
     b = m.baseline(args.baseline or m.default)
     progress = Progress()
     tree = _pristine(args, b, progress)
-    record = vendor(args.root, m, b, tree, args.force, progress)
+    record = vendor(args.root, m, b, tree, args.force, progress, chosen=bool(args.baseline))
     print(f"vendored megatron-core {b.name} into {args.root / 'megatron'}")
     if not b.installs_on(sys.version_info[:2]):
         print(
@@ -128,11 +131,11 @@ def cmd_vendor(args: argparse.Namespace) -> int:
             f"{sys.version_info[0]}.{sys.version_info[1]}); its tree still serves tests here"
         )
     for entry in record["applied"]:
-        print(f"  applied   {entry['id']} (fix {entry['fix']})")
+        print(f"  applied   {entry['id']} ({fix_name(entry)})")
         for line in left_out_lines(entry["id"], entry.get("left_out", {})):
             print(f"            {line}")
     for entry in record["not_applied"]:
-        print(f"  {entry['state']:<9} {entry['id']} (fix {entry['fix']}): {entry['reason']}")
+        print(f"  {entry['state']:<9} {entry['id']} ({fix_name(entry)}): {entry['reason']}")
     return 0
 
 
@@ -147,9 +150,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     print(f"{top}: baseline {b.name} ({why})")
     before = git.out(top, "rev-parse", "HEAD")
     outcome = checkout.apply(m, top, b, commit=not args.no_commit, dry_run=args.dry_run)
-    for patch_id, what in outcome.report:
-        print(f"  {patch_id}: {what}")
-    done = ("already applied", "absent", "fixed upstream")
+    print(_by_fix(m, outcome.report), end="")
+    done = ("already applied", "already in ", "absent", "fixed upstream")
     if all(what.startswith(done) for _, what in outcome.report):
         print("nothing to do: the series is already applied")
         return 0
@@ -158,7 +160,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         print(f"dry run, nothing written: the series would change {len(outcome.touched)} file(s):")
         print("".join(f"  {path}\n" for path in outcome.touched), end="")
     elif args.no_commit:
-        print(f"undo: {checkout.restore_command(top, outcome.touched)}")
+        print(f"undo: python -m mcore_fixes unapply {top}")
     elif git.out(top, "rev-parse", "HEAD") != before:
         print(f"undo: python -m mcore_fixes unapply {top}   (HEAD was {before[:12]})")
     if detached and not args.no_commit:
@@ -172,38 +174,54 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
+def _by_fix(m: Manifest, report: list[tuple[str, str]]) -> str:
+    """`apply`'s report, its patches under the fix each belongs to (`moe-loss-scales:`,
+    `upstream #5077:`), in series order; lines of no patch (a recovery) first, unindented."""
+    ids = {p.id: p for p in m.patches}
+    lines, group = [], None
+    for patch_id, what in report:
+        p = ids.get(patch_id)
+        if p is None:
+            lines.append(f"  {patch_id}: {what}")
+            continue
+        if m.fix_label(p) != group:
+            group = m.fix_label(p)
+            lines.append(f"  {group}:")
+        lines.append(f"    {patch_id}: {what}")
+    return "".join(f"{line}\n" for line in lines)
+
+
 def cmd_unapply(args: argparse.Namespace) -> int:
     top = checkout.toplevel(Path(args.checkout).resolve())
     try:
         new, orig, recovered = checkout.unapply(top)
-    except checkout.NothingToUndo:
-        staged = _staged_series(args, top)
-        if staged:
-            raise CheckFailed(
-                f"{top}: nothing committed to undo, but the series is staged, not committed "
-                f"(`apply --no-commit`): {len(staged)} file(s) hold its changes in the index "
-                f"and the work tree: {', '.join(staged)}; undo it with: "
-                f"{checkout.restore_command(top, staged)} (nothing was changed)"
-            ) from None
-        raise
+    except checkout.NothingToUndo as nothing:  # nothing committed: is the series staged?
+        m = _manifest(args)
+        try:
+            b, _ = checkout.detect_baseline(m, top)
+        except UserError:
+            raise nothing from None
+        if nothing.recovered:
+            print(f"{top}: {nothing.recovered}")
+        restored, recovered = checkout.unapply_staged(m, top, b)
+        if recovered:
+            print(f"{top}: {recovered}")
+        if not restored:
+            raise nothing from None
+        print(
+            f"{top}: the series was staged, not committed (`apply --no-commit`): "
+            f"{len(restored)} file(s) back as HEAD has them, in the index and the work tree; "
+            "every other change is kept:"
+        )
+        print("".join(f"  {path}\n" for path in restored), end="")
+        print(f"  to apply the series again: python -m mcore_fixes apply {top}")
+        return 0
     if recovered:
         print(f"{top}: {recovered}")
     if new:
         print(f"{top}: HEAD back at {orig[:12]}, where `apply` found it (it was {new[:12]})")
     print(f"  to apply the series again: python -m mcore_fixes apply {top}")
     return 0
-
-
-def _staged_series(args: argparse.Namespace, top: Path) -> list[str]:
-    """The files of the series staged in `top` by `apply --no-commit` (none: [])."""
-    m = _manifest(args)
-    try:
-        b, _ = checkout.detect_baseline(m, top)
-        outcome = checkout.apply(m, top, b, commit=False, dry_run=True)
-    except UserError:
-        return []
-    staged = any("(staged, not committed)" in what for _, what in outcome.report)
-    return outcome.touched if staged else []
 
 
 def _status_cells(args: argparse.Namespace, m: Manifest, progress: Progress) -> list[Cell]:
@@ -395,7 +413,7 @@ def cmd_test(args: argparse.Namespace) -> int:
 
 
 def cmd_lint_patches(args: argparse.Namespace) -> int:
-    """Each commit of the series, checked like upstream's CI (see mcore_fixes/lint.py)."""
+    """Each commit of the series, checked like upstream's CI (see mcore_fixes/maint/lint.py)."""
     m = _manifest(args)
     progress = Progress()
     return lint.lint_patches(
@@ -410,7 +428,7 @@ def cmd_lint_patches(args: argparse.Namespace) -> int:
 
 
 def cmd_suites(args: argparse.Namespace) -> int:
-    from . import suites  # noqa: PLC0415
+    from .maint import suites  # noqa: PLC0415
 
     m = _manifest(args)
     source = Path(args.checkout).resolve()
@@ -429,7 +447,7 @@ def cmd_suites(args: argparse.Namespace) -> int:
 
 
 def cmd_upstream(args: argparse.Namespace) -> int:
-    from . import upstream  # noqa: PLC0415
+    from .maint import upstream  # noqa: PLC0415
 
     repo = sources.mcore_repo_from(args.mcore_repo)
     if repo is None:
@@ -471,9 +489,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 1
     print(f"base: {record['baseline']} ({record['source']}, pin {record['pin']})")
     for entry in record["applied"]:
-        print(f"  applied   fix {entry['fix']}: {entry['id']} ({entry['file']})")
+        print(f"  applied   {entry['id']} ({fix_name(entry)}; {entry['file']})")
     for entry in record["not_applied"]:
-        print(f"  {entry['state']:<9} fix {entry['fix']}: {entry['id']}: {entry['reason']}")
+        print(f"  {entry['state']:<9} {entry['id']} ({fix_name(entry)}): {entry['reason']}")
     carried = [e for e in record["applied"] if e.get("upstream")]
     if carried:
         print(f"upstream's own fixes this fork adds to {record['baseline']} (not in this base):")
@@ -483,9 +501,45 @@ def cmd_info(args: argparse.Namespace) -> int:
         where += ", ".join(up["branches"])
         print(f"  #{up['pr']} {entry['id']} ({where}): {up['url']}")
         if up.get("affects"):
-            print(f"      affects runs with {up['affects']}")
+            print(f"      affects: {up['affects']}")
     if missing:
         raise CheckFailed(f"the fork is installed but cannot run here: {missing}")
+    return 0
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    """The generated docs: README's "Am I affected?" table (from the manifest) and
+    docs/evidence.md (from the stored proofs and docs/gpu/). The evidence page is written only
+    where every baseline's tree is at hand (git baselines: a checkout, or build/trees)."""
+    from .maint import evidence  # noqa: PLC0415
+
+    m = _manifest(args)
+    readme = args.root / "README.md"
+    pages = {
+        readme: affected.replace_block(readme.read_text(encoding="utf-8"), affected.markdown(m))
+    }
+    args.baseline = None
+    cells = _status_cells(args, m, Progress())
+    skipped = sorted({c.baseline for c in cells if c.state == SKIPPED})
+    page = args.root / "docs" / "evidence.md"
+    if skipped:
+        print(f"docs/evidence.md: not written: {', '.join(skipped)}: {NO_CHECKOUT}")
+    else:
+        pages[page] = evidence.markdown(m, cells, args.root / "docs")
+    stale = [p for p, text in pages.items() if not p.exists() or p.read_text("utf-8") != text]
+    for path in pages:
+        rel = path.relative_to(args.root).as_posix()
+        print(f"{rel}: {'differs from its sources' if path in stale else 'up to date'}")
+    if args.check:
+        if stale:
+            print("run `python -m mcore_fixes docs` to write them")
+        return 1 if stale else 0
+    for path in stale:
+        refuse_symlinks(path, args.root)  # before a folder is made
+        path.parent.mkdir(parents=True, exist_ok=True)
+    replace_all({p: pages[p] for p in stale}, within=args.root)
+    if stale:
+        print(f"written: {', '.join(p.relative_to(args.root).as_posix() for p in stale)}")
     return 0
 
 
@@ -649,6 +703,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", action="append", help="test path (repeatable; default: the homes)")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     p.set_defaults(func=cmd_suites)
+
+    p = sub.add_parser(
+        "docs", help="write the generated docs: README's bug table, docs/evidence.md"
+    )
+    p.add_argument("--check", action="store_true", help="only say whether they are up to date")
+    with_repo(p)
+    p.set_defaults(func=cmd_docs)
 
     p = sub.add_parser("audit", help="does a checkpoint carry the damage of these bugs? (CPU)")
     p.add_argument(

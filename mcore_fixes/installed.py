@@ -18,9 +18,11 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from .errors import UserError
-from .vendor import INFO_NAME
 
 DIST_NAME = "megatron-core"
+# the fork's record of its base and patches: megatron/core/_mcore_fixes.json, written by
+# `vendor` (mcore_fixes/maint/vendor.py) and shipped with the install
+INFO_NAME = "_mcore_fixes.json"
 
 
 @dataclass(frozen=True)
@@ -153,3 +155,8 @@ def missing_runtime(record: dict) -> str | None:
     if not problems:
         return None
     return f"{'; '.join(problems)}: {', and '.join(fixes)}"
+
+
+def fix_name(entry: dict) -> str:
+    """The fix of a record's entry as users read it (records before names: `fix N`)."""
+    return entry.get("name") or f"fix {entry['fix']}"

@@ -34,8 +34,13 @@ class Patch:
     upstream_pr: int = 0
     origin: str = ""
     upstream_branches: tuple[str, ...] = ()
-    # which runs the bug it fixes affects (the flags), for `info`; optional
+    # a carried upstream fix's row of README's "Am I affected?" (mcore_fixes/maint/affected.py): the
+    # runs it damages (flags), what goes wrong, and the `audit` check that finds it in a
+    # checkpoint or why none does; our own fixes' rows are their [fixes.N] tables (Fix)
     affects: str = ""
+    damage: str = ""
+    audit: str = ""
+    audit_gap: str = ""
 
     @property
     def upstream_url(self) -> str:
@@ -54,6 +59,19 @@ class Patch:
 
 
 @dataclass(frozen=True)
+class Fix:
+    """One fix of ours (`fix = N` of its patches): its name and its row of README's "Am I
+    affected?" table. Upstream's own fixes, carried, are named by their PR (their patches)."""
+
+    number: int
+    name: str  # what it fixes, as `info`, `vendor`, the README and docs/fixes.md name it
+    affects: str = ""  # the runs it damages: pretrain_gpt.py flags, Megatron Bridge settings
+    damage: str = ""  # what goes wrong without it
+    audit: str = ""  # the `audit` check that finds its damage in a checkpoint
+    audit_gap: str = ""  # where there is none: why
+
+
+@dataclass(frozen=True)
 class Baseline:
     name: str
     source: str  # "pypi" or "git"
@@ -67,6 +85,9 @@ class Baseline:
     fixed_upstream: dict[str, str] = field(default_factory=dict)
     # patch id -> why its variant here changes other lines than the canonical (variants.py)
     backports: dict[str, str] = field(default_factory=dict)
+    # patch id -> the upstream commit (PR) this baseline already has: the patch reverse-applies
+    # (e.g. a release that shipped the commit); main and dev: `upstream-branches` of the patch
+    applied_upstream: dict[str, str] = field(default_factory=dict)
     python: str = ""  # oldest Python a fork of this base installs on ("3.12"); "" = any
     same_code_as: str = ""  # the baseline whose variants / absent / fixed-upstream it shares
 
@@ -95,6 +116,7 @@ class Manifest:
     patches: tuple[Patch, ...]
     baselines: dict[str, Baseline]
     defaults: tuple[str, ...] = ()  # the manifest's preference order
+    fixes: dict[int, Fix] = field(default_factory=dict)  # [fixes.N]: our fixes' names and rows
 
     def baseline(self, name: str) -> Baseline:
         try:
@@ -109,6 +131,26 @@ class Manifest:
                 return p
         known = ", ".join(p.id for p in self.patches)
         raise UserError(f"unknown patch {patch_id!r}; known patches: {known}")
+
+    def fix_label(self, patch: Patch) -> str:
+        """What users read for the fix a patch belongs to: `upstream #PR` for upstream's own
+        fix, carried; the [fixes.N] name of ours (`fix N` where the manifest names none)."""
+        if patch.origin:
+            return f"upstream #{patch.upstream_pr}"
+        fix = self.fixes.get(patch.fix)
+        return fix.name if fix else f"fix {patch.fix}"
+
+    def upstream_has(self, baseline: Baseline, patch: Patch) -> str:
+        """Where `baseline` already has `patch` as upstream's code ("" where it does not): the
+        manifest's fixed-upstream / applied-upstream entry, or the branch of `upstream-branches`
+        it follows."""
+        if patch.id in baseline.fixed_upstream:
+            return baseline.fixed_upstream[patch.id]
+        if patch.id in baseline.applied_upstream:
+            return baseline.applied_upstream[patch.id]
+        if baseline.is_git and baseline.ref in patch.upstream_branches:
+            return f"{patch.upstream_commit[:10]} (#{patch.upstream_pr}) on {baseline.ref}"
+        return ""
 
     def patch_file(self, baseline: Baseline, patch: Patch) -> Path | None:
         """The file that applies `patch` to `baseline`, or None where the fix is absent."""
@@ -128,11 +170,11 @@ class Manifest:
         return self.root.parent / patch.proof if patch.proof else None
 
 
-_SHARED = ("variants", "absent", "fixed-upstream", "backports")
+_SHARED = ("variants", "absent", "fixed-upstream", "applied-upstream", "backports")
 
 # Every key the manifest may use, in one place: add a key here where the loader reads it. Any
 # other key is refused by name (a typo such as `varients` would otherwise be ignored silently).
-TOP_KEYS = frozenset({"canonical", "default", "patch", "baselines"})
+TOP_KEYS = frozenset({"canonical", "default", "patch", "fixes", "baselines"})
 PATCH_KEYS = frozenset(
     {
         "id",
@@ -145,8 +187,13 @@ PATCH_KEYS = frozenset(
         "origin",
         "upstream-branches",
         "affects",
+        "damage",
+        "audit",
+        "audit-gap",
     }
 )
+FIX_KEYS = frozenset({"name", "affects", "damage", "audit", "audit-gap"})
+FIX_NAME_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 BASELINE_KEYS = frozenset(
     {"source", "version", "sha256", "ref", "commit", "python", "same-code-as", *_SHARED}
 )
@@ -210,10 +257,47 @@ def _upstream_commit(value: object) -> str:
     return value
 
 
-def _affects(value: object) -> str:
+def _text(entry: dict, key: str) -> str:
+    """An optional text field of a README row (`affects`, `damage`, `audit`, `audit-gap`)."""
+    value = entry.get(key, "")
     if not isinstance(value, str):
-        raise ValueError(f"affects {value!r} must be a string (the flags of the runs it affects)")
+        raise ValueError(f"{key} {value!r} must be a string")
+    if value and key == "audit" and entry.get("audit-gap"):
+        raise ValueError(
+            "audit names the check that finds the damage; audit-gap says why none "
+            "does: give one of them"
+        )
     return value
+
+
+def _fixes(data: dict, path: Path) -> dict[int, Fix]:
+    """The [fixes.N] tables: each fix of ours by number, with its name and README row."""
+    tables = data.get("fixes", {})
+    if not isinstance(tables, dict) or not all(isinstance(e, dict) for e in tables.values()):
+        raise UserError(f"{path}: `fixes` must hold one table per fix ([fixes.N])")
+    fixes: dict[int, Fix] = {}
+    for key, entry in tables.items():
+        where = f"{path}: fixes.{key}"
+        _known_keys(entry, FIX_KEYS, where)
+        try:
+            number = int(key)
+            name = entry["name"]
+            if not isinstance(name, str) or not FIX_NAME_RE.match(name):
+                raise ValueError(f"name {name!r} must be lower-case words joined by '-'")
+            fix = Fix(
+                number=number,
+                name=name,
+                affects=_text(entry, "affects"),
+                damage=_text(entry, "damage"),
+                audit=_text(entry, "audit"),
+                audit_gap=_text(entry, "audit-gap"),
+            )
+        except (KeyError, ValueError) as exc:
+            raise UserError(f"{where} is incomplete or malformed ({exc})") from None
+        if name in {f.name for f in fixes.values()}:
+            raise UserError(f"{where}: the name {name!r} is another fix's")
+        fixes[number] = fix
+    return fixes
 
 
 def _origin(entry: dict) -> tuple[int, str, tuple[str, ...]]:
@@ -269,7 +353,10 @@ def load(path: Path) -> Manifest:
                 upstream_pr=pr,
                 origin=origin,
                 upstream_branches=branches,
-                affects=_affects(entry.get("affects", "")),
+                affects=_text(entry, "affects"),
+                damage=_text(entry, "damage"),
+                audit=_text(entry, "audit"),
+                audit_gap=_text(entry, "audit-gap"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path}: [[patch]] entry {entry!r} is incomplete ({exc})") from None
@@ -311,6 +398,9 @@ def load(path: Path) -> Manifest:
                     k: str(v) for k, v in dict(entry.get("fixed-upstream", {})).items()
                 },
                 backports={k: str(v) for k, v in dict(entry.get("backports", {})).items()},
+                applied_upstream={
+                    k: str(v) for k, v in dict(entry.get("applied-upstream", {})).items()
+                },
                 python=str(entry.get("python", "")),
                 same_code_as=str(shared),
             )
@@ -324,7 +414,13 @@ def load(path: Path) -> Manifest:
             raise UserError(f"{path}: baseline {name}: source must be 'pypi' or 'git'")
         if b.python and not PYTHON_RE.match(b.python):
             raise UserError(f'{path}: baseline {name}: python must read like "3.12"')
-        unknown = (set(b.variants) | set(b.absent) | set(b.fixed_upstream) | set(b.backports)) - ids
+        unknown = (
+            set(b.variants)
+            | set(b.absent)
+            | set(b.fixed_upstream)
+            | set(b.applied_upstream)
+            | set(b.backports)
+        ) - ids
         if unknown:
             raise UserError(f"{path}: baseline {name} names unknown patches {sorted(unknown)}")
         baselines[name] = b
@@ -354,6 +450,7 @@ def load(path: Path) -> Manifest:
         patches=tuple(patches),
         baselines=baselines,
         defaults=defaults,
+        fixes=_fixes(data, path),
     )
     object.__setattr__(manifest, "default", manifest.default_for(sys.version_info[:2]))
     return manifest

@@ -33,6 +33,9 @@ CONFLICT = "conflict"
 SKIPPED = "skipped"
 MISSING = "missing"  # the manifest names a patch file that does not exist (yet)
 OK_STATES = (APPLIES, UPSTREAM, FIXED)
+# README's releases of a fix come from the manifest (mcore_fixes/maint/affected.py): a patch
+# found in a baseline's code must be recorded there too
+UNRECORDED = "the manifest does not record it: add it to this baseline's applied-upstream table"
 
 
 @dataclass
@@ -337,7 +340,13 @@ def apply_series(
             if no_tests
             else fit(tree, path, "-R", whole=p.id in b.fixed_upstream) is not None
         ):
-            cell.state, cell.detail = UPSTREAM, "reverse-applies: already in this baseline"
+            where = manifest.upstream_has(b, p)
+            cell.state = UPSTREAM
+            cell.detail = (
+                f"already in this baseline: {where}"
+                if where
+                else f"reverse-applies: already in this baseline ({UNRECORDED})"
+            )
             good.add(p.id)
             continue
         check = git.run(tree, "apply", "--check", *opts, arg, check=False)

@@ -1,4 +1,5 @@
-"""loss-scale: the dynamic loss scalers of one run must agree (fixes 4 and 1)."""
+"""loss-scale: the dynamic loss scalers of one run must agree (moe-loss-scales,
+mimo-loss-scales)."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def check_loss_scale(view: View) -> Verdict:
         DAMAGED,
         f"{len(scalers)} dynamic loss scalers of one run differ (scales "
         f"{', '.join(f'{s:g}' for s in scales)}): each optimizer backed off on its own "
-        "overflows (fixes 4 and 1).",
+        "overflows (moe-loss-scales, mimo-loss-scales).",
         evidence,
         details=[f"{w}: {_fmt_scaler(s)}" for w, s in scalers]
         + ["gradients were unscaled by another scale than the loss was scaled with"],

@@ -1,5 +1,5 @@
 """param-index and reshard-padding: DistributedOptimizer state against the model weights
-(fix 2's param index, upstream #5077's shifted offsets)."""
+(distopt-mixed-precision-groups's param index, upstream #5077's shifted offsets)."""
 
 from __future__ import annotations
 
@@ -315,8 +315,8 @@ def check_param_index(a: Audit) -> Verdict:
             name,
             DAMAGED,
             f"{len(loc.moved)} saved main param(s) belong to other params: saved through the "
-            "grad-buffer-order param index of unpatched MCore (fix 2, a group mixing fp32 and "
-            "16-bit params); their moments moved with them.",
+            "grad-buffer-order param index of unpatched MCore (distopt-mixed-precision-groups: a "
+            "group mixing fp32 and 16-bit params); their moments moved with them.",
             evidence,
             details=loc.moved,
             todo="resume with the fork (it gives each param its own state back) or the release "

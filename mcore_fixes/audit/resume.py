@@ -336,7 +336,7 @@ def check_step(a: Audit) -> Verdict:
         f"step counts up to {max(values):g} after {it} iteration(s): "
         + (
             "after a resume all params shared one step tensor, advanced once per param per "
-            "iteration (fix 2's per-param step)."
+            "iteration (distopt-mixed-precision-groups: each param's own step)."
             if a.formats
             else "a param in two param groups steps twice an iteration (upstream #4705: see "
             "param-groups)."

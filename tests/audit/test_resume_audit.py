@@ -45,7 +45,7 @@ def expected(writer: Writer, scenario: str) -> dict[str, tuple[str, str]]:
     if scenario.startswith("override-") and writer.baseline != "dev":  # #5213: dev only
         want["param-groups"] = (DAMAGED, "#5213")
     if shared_step:  # fix 2's per-param step: the fork gives each param its own on load
-        want["step"] = (DAMAGED, "fix 2")
+        want["step"] = (DAMAGED, "distopt-mixed-precision-groups")
     if scenario == "fsdp-step" and stock_018:
         want["step"] = (DAMAGED, "#5976")
     return want

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from toolworld import Result, World, build_world, cli
 
-from mcore_fixes import forkserver
+from mcore_fixes.maint import forkserver
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import shlex
-import subprocess
-
+import pytest
 from toolworld import CALC_BUGGY, TEST_FILES, git, snapshot, tree_snapshot, write
 
 
@@ -17,6 +15,7 @@ def test_dry_run_says_what_would_change_and_writes_nothing(world, project, tool,
     assert r.rc == 0, r.err
     assert "baseline 0.1.0 (megatron/core/package_info.py says 0.1.0" in r.out
     assert "  fix-mean: would be committed (patches/0001-fix-mean.patch)" in r.out
+    assert "\n  fix 1:\n    fix-mean: would be committed" in r.out  # under its fix's name
     assert "  weak-test: would be committed (patches/0003-weak-test.patch)" in r.out
     assert "dry run, nothing written: the series would change 6 file(s):" in r.out
     assert "  megatron/core/calc.py\n" in r.out and f"  {TEST_FILES['join-sep']}\n" in r.out
@@ -103,8 +102,8 @@ def test_no_commit_apply_prints_its_undo(world, project, tool, tmp_path):
     write(co, "README.md", "unrelated work in progress\n")
     r = tool(project, "apply", "--no-commit", co)
     assert r.rc == 0, r.err
-    undo = next(line for line in r.out.splitlines() if line.startswith("undo: "))
-    subprocess.run(shlex.split(undo.removeprefix("undo: ")), check=True)
+    assert f"undo: python -m mcore_fixes unapply {co}\n" in r.out
+    assert tool(project, "unapply", co).rc == 0
     status = git(co, "status", "--porcelain", "--untracked-files=all")
     assert status.strip() == "M README.md"  # the series is gone, the user's edit stays
 
@@ -154,17 +153,43 @@ def test_unapply_goes_back_to_where_apply_started_whatever_the_reflog_lost(
     assert snapshot(co) == before
 
 
-def test_unapply_after_apply_no_commit_says_what_is_staged(world, project, tool, tmp_path):
+@pytest.mark.parametrize("applied_before", [False, True])
+def test_unapply_after_apply_no_commit_undoes_the_staged_series(
+    world, project, tool, tmp_path, applied_before
+):
+    """`apply --no-commit`, then `unapply`: the series' files back as HEAD has them, in the
+    index and the work tree; the user's other changes, staged or not, stay as they were.
+    (After an earlier apply that was undone too: HEAD's reflog says "undone already".)"""
     co = world.clone(tmp_path / "co", "core_v0.1.0")
-    assert tool(project, "apply", co).rc == 0
-    assert tool(project, "unapply", co).rc == 0
+    if applied_before:
+        assert tool(project, "apply", co).rc == 0
+        assert tool(project, "unapply", co).rc == 0
+    write(co, "README.md", "mine, staged\n")
+    git(co, "add", "README.md")
+    write(co, "notes.txt", "mine, untracked\n")
+    before = snapshot(co)
+    index = git(co, "ls-files", "-s")
     assert tool(project, "apply", "--no-commit", co).rc == 0
+    assert snapshot(co) != before
+    r = tool(project, "unapply", co)
+    assert r.rc == 0 and "undone already" not in r.out + r.err, r.err
+    assert "the series was staged, not committed (`apply --no-commit`): 6 file(s) back" in r.out
+    assert "  megatron/core/calc.py\n" in r.out
+    assert snapshot(co) == before and git(co, "ls-files", "-s") == index
+    r = tool(project, "unapply", co)  # nothing left to undo: said as before
+    assert r.rc == 1 and "nothing to undo" in r.err, r.err
+    assert snapshot(co) == before
+
+
+def test_unapply_refuses_a_staged_series_edited_since(world, project, tool, tmp_path):
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    assert tool(project, "apply", "--no-commit", co).rc == 0
+    calc = co / "megatron/core/calc.py"
+    calc.write_text(calc.read_text() + "# my edit after apply --no-commit\n")
     before = snapshot(co)
     r = tool(project, "unapply", co)
-    assert r.rc == 1 and "undone already" not in r.err, r.err
-    assert "the series is staged, not committed (`apply --no-commit`): 6 file(s)" in r.err
-    assert "megatron/core/calc.py" in r.err and f"git -C {co} restore --source=HEAD" in r.err
-    assert snapshot(co) == before
+    assert r.rc == 1 and "uncommitted changes in files the series touches" in r.err, r.err
+    assert "megatron/core/calc.py" in r.err and snapshot(co) == before
 
 
 HOOK = '#!/bin/sh\necho "$0 ${GIT_INDEX_FILE:-the index}" >> "$HOOK_LOG"\n'

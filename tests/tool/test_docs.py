@@ -15,6 +15,7 @@ READ = [
     *sorted((MAIN / "bench").glob("*.sh")),
     *sorted((MAIN / "bench").glob("*.py")),
     *sorted((MAIN / "mcore_fixes").glob("*.py")),
+    *sorted((MAIN / "mcore_fixes" / "maint").glob("*.py")),
     MAIN / "patches" / "manifest.toml",
     MAIN / "noxfile.py",
     MAIN / "setup.py",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_fixes import forkserver, prove
+from mcore_fixes.maint import forkserver, prove
 
 # Appended to the fix-mean proof (runs on the pristine tree and after fix-mean): where it ran.
 WHERE = """

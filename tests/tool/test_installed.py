@@ -73,7 +73,8 @@ def test_info_of_an_installed_fork(project, tool, tool_only, tmp_path):
         "distribution megatron-core 0.1.0+fixes.3, the mcore-fixes fork "
         f"(installed in {tmp_path / 'site'})"
     ) in r.out
-    assert "base: 0.1.0 (pypi, pin " in r.out and "applied   fix 1: fix-mean" in r.out
+    assert "base: 0.1.0 (pypi, pin " in r.out
+    assert "applied   fix-mean (fix 1; 0001-fix-mean.patch)" in r.out
     env = {**os.environ, "PYTHONPATH": f"{tool_only}{os.pathsep}{tmp_path / 'site'}"}
     data = json.loads(run_module(tmp_path, "info", "--json", cwd=tmp_path, env=env).out)
     assert data["distribution"] == "0.1.0+fixes.3" and data["baseline"] == "0.1.0" and data["fork"]

@@ -328,3 +328,31 @@ def test_unapply_killed_is_completed_or_undone_by_the_next_run(
         assert "an interrupted unapply was completed" in r.out, r.out
     else:
         assert "an interrupted unapply was undone" in r.out, r.out
+
+
+@pytest.mark.parametrize("rerun", [("unapply",), ("apply", "--no-commit")])
+def test_unapply_of_a_staged_series_killed_is_undone_by_the_next_run(
+    world, project, tmp_path, rerun
+):
+    """`apply --no-commit`, then `unapply` killed as git is about to move the files back: the
+    next `unapply` puts back what the killed one may have half written and undoes the staged
+    series; the next `apply --no-commit` finds it staged, as it was. The user's edit stays
+    either way."""
+    co = world.clone(tmp_path / "co", "core_v0.1.0")
+    (co / "README.md").write_text("my edit, not staged\n")
+    clean = git(co, "status", "--porcelain", "--untracked-files=all")
+    assert run_module(project, "apply", "--no-commit", co).rc == 0
+    staged = snapshot(co)
+    env = wrapped_env(tmp_path, "read-tree -m -u")
+    proc = start(project, "unapply", co, env=env)
+    wait_reached(env, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    r = run_module(project, *rerun, co)
+    assert r.rc == 0, r.err
+    assert "an interrupted unapply of a staged series was undone" in r.out, r.out
+    assert not state_dir(co).exists() and count(co) == 0
+    if rerun == ("unapply",):
+        assert git(co, "status", "--porcelain", "--untracked-files=all") == clean
+    else:
+        assert snapshot(co) == staged and "already applied (staged, not committed)" in r.out

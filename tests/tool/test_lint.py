@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_fixes import lint
+from mcore_fixes.maint import lint
 
 PATCH = """\
 diff --git a/megatron/core/x.py b/megatron/core/x.py

@@ -128,4 +128,4 @@ def test_the_known_manifest_keys_are_one_list():
 
     assert {"id", "file", "fix", "requires", "proof", "upstream-commit"} <= manifest.PATCH_KEYS
     assert {"variants", "absent", "fixed-upstream", "backports"} <= manifest.BASELINE_KEYS
-    assert manifest.TOP_KEYS == {"canonical", "default", "patch", "baselines"}
+    assert manifest.TOP_KEYS == {"canonical", "default", "patch", "fixes", "baselines"}

@@ -58,8 +58,8 @@ def test_patch_editing_upstream_tests_applies_code_only_without_them(
     # Two patches of one fix: both in the matrix, both recorded in the vendored tree.
     md = tool(project, "status", "--markdown", "--baseline", "0.1.0").out
     assert md.splitlines()[0] == "| baseline | 1 | 2 | 3 | 4 |"
-    assert "| 3      | `weak-test` | 3   |" in md.splitlines()
-    assert "| 4      | `question`  | 3   |" in md.splitlines()
+    assert "| 3      | `weak-test` | fix 3 |" in md.splitlines()
+    assert "| 4      | `question`  | fix 3 |" in md.splitlines()
     assert tool(project, "vendor").rc == 0
     info = json.loads((project / "megatron/core/_mcore_fixes.json").read_text())
     assert [(a["id"], a["fix"]) for a in info["applied"]][-2:] == [

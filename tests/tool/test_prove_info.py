@@ -129,7 +129,7 @@ def test_info_of_vendored_tree(project, tool):
     assert proc.returncode == 0, proc.stderr
     assert f"megatron.core at {project / 'megatron' / 'core'}" in proc.stdout
     assert "base: 0.1.0 (pypi, pin " in proc.stdout
-    assert "applied   fix 1: fix-mean (0001-fix-mean.patch)" in proc.stdout
+    assert "applied   fix-mean (fix 1; 0001-fix-mean.patch)" in proc.stdout
     proc = subprocess.run(
         [sys.executable, "-m", "mcore_fixes", "info", "--json"],
         cwd=project,

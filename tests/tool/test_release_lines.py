@@ -65,9 +65,7 @@ def test_info_lists_the_upstream_fixes_the_fork_adds(carried, tool):
     assert proc.returncode == 0, proc.stderr
     assert "upstream's own fixes this fork adds to 0.1.0 (not in this base):" in proc.stdout
     link = "https://github.com/NVIDIA/Megatron-LM/pull/77"
-    assert f"  #77 fix-mean (merged on main): {link}\n      affects runs with --mean-flag\n" in (
-        proc.stdout
-    )
+    assert f"  #77 fix-mean (merged on main): {link}\n      affects: --mean-flag\n" in proc.stdout
     info = json.loads((carried / "megatron/core/_mcore_fixes.json").read_text())
     assert {a["id"]: a.get("upstream", {}).get("pr") for a in info["applied"]} == {
         "fix-mean": 77,
@@ -100,3 +98,24 @@ def test_bad_provenance_is_one_line(project, tool, case):
     manifest.write_text(manifest.read_text().replace(anchor, anchor + keys, 1))
     r = tool(project, "status", "--baseline", "0.1.0")
     assert r.rc == 2 and words in r.err and "Traceback" not in r.err
+
+
+def test_apply_says_which_upstream_fix_a_release_already_has(carried, tool, world, tmp_path):
+    """A release that shipped upstream's commit (the manifest's applied-upstream): `apply`
+    says the fix is upstream's code there, not that an earlier apply put it in; the status
+    cell says where it comes from."""
+    manifest = carried / "patches/manifest.toml"
+    manifest.write_text(
+        manifest.read_text()
+        + '[baselines."core_v0.2.0".applied-upstream]\nfix-mean = "0123456789 (#77), shipped"\n'
+    )
+    co = world.clone(tmp_path / "co", "core_v0.2.0")
+    r = tool(carried, "apply", "--dry-run", co)
+    assert r.rc == 0, r.err
+    assert (
+        "  upstream #77:\n    fix-mean: already in core_v0.2.0: 0123456789 (#77), shipped\n"
+        in r.out
+    )
+    args = ("--baseline", "core_v0.2.0", "--mcore-repo", world.upstream, "--json")
+    cells = {c["patch"]: c for c in json.loads(tool(carried, "status", *args).out)["cells"]}
+    assert cells["fix-mean"]["detail"] == "already in this baseline: 0123456789 (#77), shipped"

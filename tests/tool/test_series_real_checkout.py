@@ -97,7 +97,7 @@ def test_fix_2_for_main_starts_with_upstreams_commit(tmp_path: Path) -> None:
 def test_carried_upstream_commits_go_to_the_branch_that_lacks_them(tmp_path: Path) -> None:
     """Each upstream commit the series carries: a `cherry-pick-<PR>` branch on main or dev where
     that branch lacks it (upstream's author kept), none where it has it or fixed it otherwise."""
-    from mcore_fixes import upstream
+    from mcore_fixes.maint import upstream
 
     clone = _clone(tmp_path)
     units = upstream.plan(MANIFEST, None, lambda sha: upstream.pr_number(clone, sha))

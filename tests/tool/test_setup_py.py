@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,11 @@ def test_first_build_says_it_downloads_and_patches(clone):
         "mcore-fixes: no vendored megatron/ yet: downloading the pinned megatron-core sdist "
         "(unless cached) and applying the patches (python -m mcore_fixes vendor)"
     )
-    assert "mcore-fixes:" not in version(clone).stderr  # vendored: nothing to say
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    assert version(clone).stderr == (  # vendored: only which base it builds
+        f"mcore-fixes: building megatron-core 0.1.0+fixes.3 for Python {here}: base 0.1.0, "
+        "3 patches applied\n"
+    )
 
 
 def test_stale_build_output_is_removed_and_our_state_kept(clone):
@@ -157,15 +162,47 @@ def test_the_fork_never_makes_pip_pull_or_replace_torch(clone, tmp_path):
     assert "psutil" in requires  # a torch_dist save needs it; the base does not declare it
 
 
-def test_a_vendored_base_other_than_the_default_is_built_and_said(clone):
-    # e.g. 0.16.1 vendored by an install on Python 3.11, built again by Python 3.12's pip
+def test_a_base_chosen_with_vendor_baseline_is_built_and_said(clone):
     vendor = [sys.executable, "-m", "mcore_fixes", "vendor", "--baseline", "core_v0.2.0"]
     r = subprocess.run(vendor, cwd=clone, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     r = version(clone)
     assert r.returncode == 0 and r.stdout.startswith("0.2.0+fixes."), r.stderr
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
     assert (
-        "mcore-fixes: building the vendored core_v0.2.0, not 0.1.0 (the default on Python "
-        f"{sys.version_info[0]}.{sys.version_info[1]}): `python -m mcore_fixes vendor --force` "
-        "first builds 0.1.0"
+        "mcore-fixes: building the vendored core_v0.2.0 (chosen with `vendor --baseline`), not "
+        f"0.1.0, the default on Python {here}: `python -m mcore_fixes vendor --force` first "
+        "builds 0.1.0"
     ) in r.stderr
+    assert f"mcore-fixes: building megatron-core 0.2.0+fixes.2 for Python {here}: base " in r.stderr
+
+
+def default_is(clone: Path, name: str) -> None:
+    manifest = clone / "patches/manifest.toml"
+    text = re.sub(r'(?m)^default = ".*"$', f'default = "{name}"', manifest.read_text(), count=1)
+    manifest.write_text(text)
+
+
+def test_another_pythons_default_is_replaced_by_this_ones(clone):
+    """A clone built by pip on one Python holds that Python's default base (0.16.1 on 3.11);
+    pip on another Python builds its own default (0.19.2 on 3.12), and says so. Here the two
+    Pythons are one Python under two manifests' defaults."""
+    default_is(clone, "core_v0.2.0")
+    r = version(clone)  # the first build: vendors the default, chosen by no one
+    assert r.returncode == 0 and r.stdout.startswith("0.2.0+fixes."), r.stderr
+    default_is(clone, "0.1.0")
+    r = version(clone)
+    assert r.returncode == 0 and r.stdout == "0.1.0+fixes.3\n", r.stderr
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    assert (
+        "mcore-fixes: megatron/ holds core_v0.2.0, the default of the Python that vendored it; "
+        f"vendoring 0.1.0, the default on Python {here}"
+    ) in r.stderr
+    assert f"building megatron-core 0.1.0+fixes.3 for Python {here}: base 0.1.0" in r.stderr
+    # edited: built as it is, said so; nothing of the edit lost
+    calc = clone / "megatron/core/calc.py"
+    calc.write_text(calc.read_text() + "# an edit\n")
+    default_is(clone, "core_v0.2.0")
+    r = version(clone)
+    assert r.stdout == "0.1.0+fixes.3.edited\n" and "(it has edits)" in r.stderr, r.stderr
+    assert calc.read_text().endswith("# an edit\n")

@@ -88,7 +88,7 @@ def test_status_markdown(world, project, tool):
     assert lines[1] == "|-------------|---|---|---|"
     assert lines[2] == "| core_v0.3.0 | u | C | a |"
     assert lines[3] == ""
-    assert "| 2      | `join-sep`  | 2   |" in lines
+    assert "| 2      | `join-sep`  | fix 2 |" in lines
     assert "Cells: `u` applied-upstream; `C` conflict; `a` applies." in lines
     assert any(ln.startswith("- `join-sep` conflict on core_v0.3.0: ") for ln in lines)
 

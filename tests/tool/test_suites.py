@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from toolworld import fake_torchrun
 
-from mcore_fixes import suites
+from mcore_fixes.maint import suites
 
 PATCH = """\
 diff --git a/tests/unit_tests/test_optimizer.py b/tests/unit_tests/test_optimizer.py

@@ -12,7 +12,7 @@ import pytest
 from test_interrupts import start, wait_reached, wrapped_env
 from toolworld import SUBJECTS, add_git_baseline, commit_all, git, run_module, snapshot, write
 
-from mcore_fixes import upstream
+from mcore_fixes.maint import upstream
 
 TEMPLATE = """- [ ] I, the PR author, have personally reviewed every line of this PR.
 

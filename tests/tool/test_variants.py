@@ -19,7 +19,7 @@ from toolworld import (
 )
 
 from mcore_fixes import manifest as manifest_mod
-from mcore_fixes import variants
+from mcore_fixes.maint import variants
 
 
 def test_series_variants_do_not_drift():

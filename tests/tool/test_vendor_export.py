@@ -39,6 +39,7 @@ def test_vendor_default_baseline(world, project, tool):
     assert info["applied"][0] == {
         "id": "fix-mean",
         "fix": 1,
+        "name": "fix 1",
         "file": "0001-fix-mean.patch",
         "sha256": sha256(project / "patches" / "0001-fix-mean.patch"),
     }
@@ -55,8 +56,10 @@ def test_vendor_git_baseline_records_upstream_and_absent(world, project, tool):
         {
             "id": "fix-mean",
             "fix": 1,
+            "name": "fix 1",
             "state": "applied-upstream",
-            "reason": "reverse-applies: already in this baseline",
+            "reason": "reverse-applies: already in this baseline (the manifest does not record "
+            "it: add it to this baseline's applied-upstream table)",
         }
     ]
     assert "applied-upstream fix-mean" in r.out
@@ -71,6 +74,7 @@ def test_vendor_git_baseline_records_upstream_and_absent(world, project, tool):
         {
             "id": "weak-test",
             "fix": 3,
+            "name": "fix 3",
             "state": "absent",
             "reason": "constants.py does not exist in 0.1.1",
         }
@@ -341,7 +345,7 @@ def test_export_refuses_a_patch_file_changed_since_vendor(world, project, tool):
 
 
 def test_patch_files_are_replaced_all_or_none(tmp_path, monkeypatch):
-    from mcore_fixes import vendor as vendor_mod
+    from mcore_fixes.maint import vendor as vendor_mod
 
     a, b = tmp_path / "a.patch", tmp_path / "b.patch"
     a.write_text("old a")

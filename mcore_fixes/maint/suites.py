@@ -35,10 +35,10 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import git
-from .errors import UserError
-from .manifest import Baseline, Manifest
-from .series import ABSENT, APPLIES, FIXED, OK_STATES, apply_series, read_patch
+from .. import git
+from ..errors import UserError
+from ..manifest import Baseline, Manifest
+from ..series import ABSENT, APPLIES, FIXED, OK_STATES, apply_series, read_patch
 
 SUITES = (  # the carried tests' homes, then the suites that import the modules the series edits
     "tests/unit_tests/test_optimizer.py",

@@ -41,9 +41,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import git
-from .errors import UserError
-from .manifest import Baseline
+from .. import git
+from ..errors import UserError
+from ..manifest import Baseline
 
 # Megatron-LM main's settings (pyproject.toml [tool.black], .pre-commit-config.yaml); the
 # config file is replaced so that an older baseline's `required-version` does not apply.
@@ -679,12 +679,12 @@ def lint_patches(
     """`lint-patches`: one line per commit and check; returns the exit status (1: a check failed).
 
     `tree_or_skip(b)` gives the pristine tree repository of baseline `b`, or why it is skipped.
-    Besides upstream's checks per commit: the series as stacked (mcore_fixes/stack.py: `index`,
-    `export`) and each commit alone (`alone`, `collect` with `python_tests`, an interpreter
+    Besides upstream's checks per commit: the series as stacked (mcore_fixes/maint/stack.py:
+    `index`, `export`) and each commit alone (`alone`, `collect` with `python_tests`, an interpreter
     with torch and pytest; None: the one running the tool, where it has them).
     """
+    from ..series import APPLIES, CONFLICT, MISSING, apply_series, read_patch  # noqa: PLC0415
     from . import stack  # noqa: PLC0415
-    from .series import APPLIES, CONFLICT, MISSING, apply_series, read_patch  # noqa: PLC0415
 
     for b in baselines if mcore_repo is not None else []:  # its checks read that commit
         if b.is_git and not git.ok(mcore_repo, "cat-file", "-e", f"{b.commit}^{{commit}}"):
@@ -806,9 +806,9 @@ def _format_series(tree: Path, cells: list, python: str | None) -> dict[str, dic
 def _stack_results(
     tree: Path, manifest, b, cells: list, tests_python: str, no_collect: str
 ) -> dict[str, list[Result]]:
-    """Per applied patch: `index`, `export`, `alone` and `collect` (mcore_fixes/stack.py)."""
+    """Per applied patch: `index`, `export`, `alone` and `collect` (mcore_fixes/maint/stack.py)."""
+    from ..series import read_patch  # noqa: PLC0415
     from . import stack  # noqa: PLC0415
-    from .series import read_patch  # noqa: PLC0415
 
     out: dict[str, list[Result]] = {}
     series = stack.effective_series(manifest, b, cells)

@@ -7,8 +7,8 @@ import re
 import textwrap
 from pathlib import Path
 
-from .manifest import Manifest, Patch
-from .series import Cell
+from ..manifest import Manifest, Patch
+from ..series import Cell
 
 _PROOF_MARK = {
     "proven": "proven",
@@ -33,15 +33,15 @@ def cell_text(cell: Cell) -> str:
     return cell.state
 
 
-def column(p: Patch) -> str:
+def column(manifest: Manifest, p: Patch) -> str:
     """A patch's column header: its id and fix, or the upstream PR whose fix it carries."""
-    return f"{p.id} (#{p.upstream_pr})" if p.origin else f"{p.id} (fix {p.fix})"
+    return f"{p.id} (#{p.upstream_pr})" if p.origin else f"{p.id} ({manifest.fix_label(p)})"
 
 
 def _grid(manifest: Manifest, cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
     by_key = {(c.baseline, c.patch): c for c in cells}
     baselines = [b for b in manifest.baselines if any(c.baseline == b for c in cells)]
-    header = ["baseline"] + [column(p) for p in manifest.patches]
+    header = ["baseline"] + [column(manifest, p) for p in manifest.patches]
     rows = [
         [b]
         + [cell_text(by_key[(b, p.id)]) if (b, p.id) in by_key else "" for p in manifest.patches]
@@ -157,7 +157,7 @@ def markdown(manifest: Manifest, cells: list[Cell]) -> str:
     lines += _md_table(
         [["column", "patch", "fix"]]
         + [
-            [h, f"`{p.id}`", f"upstream #{p.upstream_pr}" if p.origin else str(p.fix)]
+            [h, f"`{p.id}`", manifest.fix_label(p)]
             for h, p in zip(short, manifest.patches, strict=True)
         ]
     )

@@ -32,9 +32,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import git
-from .manifest import Baseline, Manifest
-from .series import (
+from .. import git
+from ..manifest import Baseline, Manifest
+from ..series import (
     APPLIES,
     NO_TESTS_OPTS,
     Cell,
@@ -43,6 +43,7 @@ from .series import (
     read_patch,
     test_files,
 )
+from .pytests import pytest_command
 
 ZERO = re.compile(r"^0+$")
 _INDEX = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)(?: \d+)?$")
@@ -138,15 +139,14 @@ def stack_blobs(tree: Path, cells: list[Cell]) -> dict[tuple[str, str], str]:
 
 def effective_series(m: Manifest, b: Baseline, cells: list[Cell] | None) -> list[tuple[str, Path]]:
     """(patch id, file) of the patches that apply on `b`, in order: from `cells` (the series
-    applied to its tree) where at hand, else from the manifest (no absent, no fixed-upstream, no
-    upstream commit carried from the branch `b` follows: it is already there)."""
+    applied to its tree) where at hand, else from the manifest (no absent, none that upstream has
+    already: fixed-upstream, applied-upstream, or carried from the branch `b` follows)."""
     if cells is not None:
         return [(c.patch, m.root / c.file) for c in cells if c.state == APPLIES]
     found = []
     for p in m.patches:
         path = m.patch_file(b, p)
-        upstream = b.is_git and b.ref in p.upstream_branches
-        if path is not None and p.id not in b.fixed_upstream and not upstream and path.exists():
+        if path is not None and not m.upstream_has(b, p) and path.exists():
             found.append((p.id, path))
     return found
 
@@ -368,8 +368,6 @@ def collect(
     tests/unit_tests/ written to a scratch folder): (collected, the first error line); None:
     it needs a module neither the interpreter nor the tree has, and no patch of the series
     (`series_paths`: the paths its patches touch) makes."""
-    from .prove import pytest_command  # noqa: PLC0415
-
     if not git.ok(tree, "cat-file", "-e", f"{tree_object}:tests/unit_tests"):
         return None, "this tree has no upstream tests/unit_tests/ to collect them in"
     archive = subprocess.run(

@@ -9,13 +9,13 @@ import shutil
 import tomllib
 from pathlib import Path
 
-from . import git
-from .errors import CheckFailed, UserError
-from .manifest import Baseline, Manifest, Patch
-from .progress import Progress
-from .series import OK_STATES, Cell, apply_series, file_sha256, read_patch, test_files
+from .. import git
+from ..errors import CheckFailed, UserError
+from ..installed import INFO_NAME
+from ..manifest import Baseline, Manifest, Patch
+from ..progress import Progress
+from ..series import OK_STATES, Cell, apply_series, file_sha256, read_patch, test_files
 
-INFO_NAME = "_mcore_fixes.json"  # written into megatron/core/, shipped with the install
 STATE_NAME = "vendor.json"  # in build/: baseline and file hashes of the vendored tree
 IGNORED_SUFFIXES = (".pyc", ".so", ".pyd")
 
@@ -68,6 +68,7 @@ def info_record(manifest: Manifest, b: Baseline, tree: Path, cells: list[Cell]) 
             {
                 "id": c.patch,
                 "fix": patches[c.patch].fix,
+                "name": manifest.fix_label(patches[c.patch]),
                 "file": c.file,
                 "sha256": file_sha256(manifest.root / c.file),
                 **({"left_out": c.excluded} if c.excluded else {}),
@@ -77,7 +78,13 @@ def info_record(manifest: Manifest, b: Baseline, tree: Path, cells: list[Cell]) 
             if c.state == "applies"
         ],
         "not_applied": [
-            {"id": c.patch, "fix": patches[c.patch].fix, "state": c.state, "reason": c.detail}
+            {
+                "id": c.patch,
+                "fix": patches[c.patch].fix,
+                "name": manifest.fix_label(patches[c.patch]),
+                "state": c.state,
+                "reason": c.detail,
+            }
             | _upstream(patches[c.patch])
             for c in cells
             if c.state != "applies"
@@ -171,9 +178,19 @@ def _write_state(root: Path, state: dict) -> None:
 
 
 def vendor(
-    root: Path, manifest: Manifest, b: Baseline, tree: Path, force: bool, progress: Progress
+    root: Path,
+    manifest: Manifest,
+    b: Baseline,
+    tree: Path,
+    force: bool,
+    progress: Progress,
+    chosen: bool = False,
 ) -> dict:
     """Apply the series to the pristine tree and install the result as the vendored tree.
+
+    `chosen`: the user named the baseline (`vendor --baseline`); recorded, so that `pip
+    install` keeps it on any Python it installs on, where it replaces a default that another
+    Python chose (setup.py).
 
     Interrupt-safe: build/vendor.json says `incomplete` while megatron/ is replaced (by
     renames), so a killed run is redone by the next `vendor` and never exported.
@@ -233,6 +250,7 @@ def vendor(
         shutil.copy2(tree / rel, dest, follow_symlinks=False)
     state = {
         "baseline": b.name,
+        "chosen": chosen,
         "pin": b.pin,
         "series": series_hashes(manifest, b),
         "test_files": tests,
@@ -332,6 +350,16 @@ def replace_all(texts: dict[Path, str], within: Path | None = None) -> None:
     finally:
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
+
+
+def vendored_choice(root: Path) -> tuple[str, bool] | None:
+    """(the vendored baseline, whether the user chose it with `vendor --baseline`), from
+    build/vendor.json; None without a readable one. A record written before the choice was
+    kept reads as not chosen."""
+    state = _load_state(root, strict=False)
+    if state is None or state.get("incomplete"):
+        return None
+    return state["baseline"], bool(state.get("chosen", False))
 
 
 def vendored_baseline(root: Path) -> str:

@@ -29,12 +29,11 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import forkserver, git
-from .errors import UserError
-from .forkserver import ForkServer, Gone, run_fresh
-from .manifest import Baseline, Manifest
-from .progress import Progress
-from .series import (
+from .. import git
+from ..errors import UserError
+from ..manifest import Baseline, Manifest
+from ..progress import Progress
+from ..series import (
     APPLIES,
     CONFLICT,
     FIXED,
@@ -46,28 +45,14 @@ from .series import (
     read_patch,
     test_files,
 )
+from . import forkserver
+from .forkserver import ForkServer, Gone, run_fresh
+from .pytests import pytest_command
+from .stack import alone
 
 PROOFS_DIR = Path("build") / "proofs"
 _SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?|skipped|deselected)\b|no tests ran")
 TIMEOUT = int(os.environ.get("MCORE_FIXES_PROOF_TIMEOUT", "900"))  # seconds per pytest process
-
-
-def pytest_command(python: str, files: list[str]) -> list[str]:
-    # --noconftest: upstream's tests/unit_tests/conftest.py needs Python 3.12 and its data
-    # helpers (it downloads test data unless /opt/data exists); our proofs need neither.
-    # -o addopts=: the baseline's pyproject.toml adds -x (0.16.1) and -s; we want every result.
-    return [
-        python,
-        "-m",
-        "pytest",
-        "--noconftest",
-        "-o",
-        "addopts=",
-        "-p",
-        "no:cacheprovider",
-        "-q",
-        *files,
-    ]
 
 
 @functools.cache
@@ -458,8 +443,6 @@ def _parent(tree: Path, cell: Cell) -> str:
 def _alone_states(tree: Path, manifest: Manifest, cells: list[Cell]) -> dict[str, tuple | str]:
     """Per applied patch: (commit of pristine + its requires, that + the patch), made in the
     tree repository from mcore_fixes.stack's trees; or why it does not stand alone."""
-    from .stack import alone  # noqa: PLC0415
-
     states: dict[str, tuple | str] = {}
     for a in alone(tree, manifest, cells):
         if a.state != "ok":

@@ -15,10 +15,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import git
-from .errors import CheckFailed
-from .manifest import Baseline, Manifest, Patch
-from .series import (
+from .. import git
+from ..errors import CheckFailed
+from ..manifest import Baseline, Manifest, Patch
+from ..series import (
     LEFT_OUT_TRAILER,
     NO_TESTS_OPTS,
     apply_series,

@@ -55,11 +55,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import git
-from .checkout import detect_baseline
-from .errors import CheckFailed, UserError
-from .manifest import Baseline, Manifest, Patch
-from .series import APPLIES, OK_STATES, Cell, apply_series, file_sha256, read_patch, test_files
+from .. import git
+from ..checkout import detect_baseline
+from ..errors import CheckFailed, UserError
+from ..manifest import Baseline, Manifest, Patch
+from ..series import APPLIES, OK_STATES, Cell, apply_series, file_sha256, read_patch, test_files
 
 BRANCH_PREFIX = "mcore-fixes/"
 RECORD_KEY = "mcoreFixes"  # branch.<name>.mcoreFixes = tip the tool made
