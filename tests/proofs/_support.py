@@ -878,3 +878,153 @@ class CudaStreamsOnCpu:
         for name, value in self._saved.items():
             setattr(torch.cuda, name, value)
         torch.Tensor.record_stream = self._record_stream
+
+
+# Expert parallelism under tensor parallelism (upstream #5916, #6099): MCore's own dense and
+# expert layers in a world of 2 ranks with tensor-parallel size 2, grads written where backward
+# puts them, and the grad norm and zero count the model really has.
+
+EXPERT_HIDDEN, EXPERT_FFN, NUM_EXPERTS = 8, 16, 2  # at expert-parallel size 2: one per rank
+
+
+def init_tp2_ep2() -> None:
+    """``init``: tensor-parallel 2, expert-parallel 2, expert tensor-parallel 1 (world of 2): the
+    two tensor-parallel ranks hold different experts."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1
+    )
+    torch.manual_seed(5916)
+
+
+def init_tp2_etp1() -> None:
+    """``init``: tensor-parallel 2, no expert parallelism, expert tensor-parallel 1 (world of 2):
+    both ranks hold the same experts, so expert data parallelism spans both."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=2, expert_model_parallel_size=1, expert_tensor_parallel_size=1
+    )
+    torch.manual_seed(5916)
+
+
+def expert_config(**kwargs):
+    """TransformerConfig of the tensor-parallel MoE world (override any field by keyword)."""
+    from megatron.core.transformer import TransformerConfig
+
+    fields = dict(
+        num_layers=1,
+        hidden_size=EXPERT_HIDDEN,
+        ffn_hidden_size=EXPERT_FFN,
+        num_attention_heads=4,
+        num_moe_experts=NUM_EXPERTS,
+        moe_ffn_hidden_size=EXPERT_FFN,
+        moe_router_topk=2,
+        tensor_model_parallel_size=2,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=True,
+        add_bias_linear=True,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+    )
+    return TransformerConfig(**(fields | kwargs))
+
+
+def mpu_process_groups():
+    """MCore's process groups, as MoE layers take them (ModelCommProcessGroups before 0.16)."""
+    try:
+        from megatron.core.process_groups_config import ProcessGroupCollection as Groups
+    except ImportError:
+        from megatron.core.process_groups_config import ModelCommProcessGroups as Groups
+    return Groups.use_mpu_process_groups()
+
+
+class DenseAndExperts(torch.nn.Module):
+    """A dense column-parallel linear (weight and bias split over tensor parallelism), a dense
+    row-parallel linear (its bias replicated on both tensor-parallel ranks) and this rank's
+    local experts (SequentialMLP: fc1 column-parallel, fc2 row-parallel with a bias, over the
+    expert tensor-parallel group)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.mlp import MLPSubmodules
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        hidden, ffn = EXPERT_HIDDEN, EXPERT_FFN
+        linear = dict(config=config, init_method=config.init_method, bias=True)
+        self.dense_in = ColumnParallelLinear(hidden, ffn, gather_output=False, **linear)
+        self.dense_out = RowParallelLinear(
+            ffn, hidden, input_is_parallel=True, skip_bias_add=False, **linear
+        )
+        submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        local_experts = NUM_EXPERTS // config.expert_model_parallel_size
+        self.experts = SequentialMLP(local_experts, config, submodules, mpu_process_groups())
+        if config.bf16:
+            self.to(torch.bfloat16)
+
+    def is_replicated_dense(self, p) -> bool:
+        return p is self.dense_out.bias
+
+    def expert_biases(self) -> list[torch.Tensor]:
+        """This rank's experts' fc2 biases: replicated over expert tensor parallelism."""
+        return [
+            p
+            for n, p in self.named_parameters()
+            if n.startswith("experts.") and n.endswith("linear_fc2.bias")
+        ]
+
+    def write_grads(self, expert_biases_only: bool = False) -> None:
+        """Grads where backward puts them (``main_grad``): seeded, other on every rank, one zero
+        per param (for the zero count), the replicated dense bias equal on both ranks.
+        ``expert_biases_only``: ones in the experts' fc2 biases, zeros elsewhere."""
+        gen = torch.Generator().manual_seed(100 + dist.get_rank())
+        replicated = torch.Generator().manual_seed(7)  # equal on both ranks, as after backward
+        biases = self.expert_biases()
+        for p in self.parameters():
+            if expert_biases_only:
+                p.main_grad.fill_(1.0 if any(p is q for q in biases) else 0.0)
+                continue
+            grad = torch.rand(p.shape, generator=replicated if self.is_replicated_dense(p) else gen)
+            grad = grad + 0.5
+            grad.view(-1)[0] = 0.0
+            p.main_grad.copy_(grad)
+
+    def true_grad_stats(self) -> tuple[float, float, float]:
+        """(norm, zeros, norm without tensor-parallel rank 1's expert biases) of the grads, each
+        logical gradient once: every rank's dense shards and experts, the replicated dense bias
+        once (rank 0's). Collective over the world."""
+        sq, zeros, biases = 0.0, 0.0, 0.0
+        rank_1_biases = self.expert_biases() if dist.get_rank() == 1 else []
+        for p in self.parameters():
+            if self.is_replicated_dense(p) and dist.get_rank() != 0:
+                continue
+            g = p.main_grad.float()
+            sq += float(g.square().sum())
+            zeros += float((g == 0).sum())
+            if any(p is q for q in rank_1_biases):
+                biases += float(g.square().sum())
+        stats = torch.tensor([sq, zeros, biases], dtype=torch.float64)
+        dist.all_reduce(stats)
+        return float(stats[0].sqrt()), float(stats[1]), float((stats[0] - stats[2]).sqrt())
+
+
+def check_grad_stats(model: DenseAndExperts, optimizer, expert_biases_only: bool = False) -> None:
+    """One step of ``optimizer`` (clipping, zero counting) on the grads ``model.write_grads``
+    puts: the grad norm and the zero count it reports are the model's."""
+    import math
+
+    model.write_grads(expert_biases_only)
+    true_norm, true_zeros, without = model.true_grad_stats()
+    _, grad_norm, num_zeros = optimizer.step()
+    wrong = []
+    if not math.isclose(float(grad_norm), true_norm, rel_tol=1e-4):
+        wrong.append(
+            f"grad norm {float(grad_norm):.4f}, true norm {true_norm:.4f} (without tensor-"
+            f"parallel rank 1's expert biases: {without:.4f})"
+        )
+    if num_zeros != true_zeros:
+        wrong.append(f"zeros counted {num_zeros}, true count {true_zeros:.0f}")
+    assert not wrong, "; ".join(wrong)
