@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from pathlib import Path
 
 from ..manifest import Manifest
@@ -151,8 +152,11 @@ def _title(path: Path) -> str:
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.startswith("# "):
             return line[2:].strip()
+        if line.startswith("|"):  # a table: its columns
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            return "a table of " + ", ".join(cells)
         if line.strip():
-            return line.strip()[:80]
+            return line.strip()
     return ""
 
 
@@ -177,8 +181,13 @@ def markdown(m: Manifest, cells: list[Cell], docs: Path) -> str:
         "",
         "## CPU, every baseline",
         "",
-        f"Baselines: {', '.join(baselines)}. Without a Megatron-LM checkout (`--mcore-repo`) the",
-        "git baselines are not run (`nox` proves the PyPI releases).",
+        *textwrap.wrap(
+            f"Baselines: {', '.join(baselines)}. Without a Megatron-LM checkout (`--mcore-repo`) "
+            "the git baselines are not run (`nox` proves the PyPI releases).",
+            96,
+            break_long_words=False,
+            break_on_hyphens=False,
+        ),
         "",
         *cpu_table(m, cells),
         "",
@@ -204,7 +213,7 @@ def markdown(m: Manifest, cells: list[Cell], docs: Path) -> str:
         path = docs / "gpu" / name
         if path.is_file():
             out += [f"{what}, from [gpu/{name}](gpu/{name}):", ""]
-            out += [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+            out += path.read_text(encoding="utf-8").strip("\n").splitlines()
             out.append("")
     shown = {n for n, _ in GPU_TABLES} | {"runs.md"}
     others = [p for p in sorted((docs / "gpu").glob("*.md")) if p.name not in shown]
