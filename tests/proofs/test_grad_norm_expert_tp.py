@@ -95,7 +95,9 @@ def case_expert_grads_reduced_over_expert_data_parallel() -> None:
     alone). Per-token loss and no averaging in the collective: the reduction is a sum."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    config = expert_config(expert_model_parallel_size=1, calculate_per_token_loss=True)
+    config = expert_config(
+        expert_model_parallel_size=1, calculate_per_token_loss=True, add_bias_linear=False
+    )
     model = DenseAndExperts(config)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=False, average_in_collective=False
@@ -131,16 +133,32 @@ SYNC_CASES = {
 }
 
 
+def _expert_biases_supported() -> bool:
+    """MoE layers take biases from 0.15 on (before: ``Bias is not supported for MoE``)."""
+    try:
+        expert_config()
+    except AssertionError as e:
+        if "Bias is not supported for MoE" in str(e):
+            return False
+        raise
+    return True
+
+
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory) -> dict[str, list[dict[str, str]]]:
-    return {
-        "ep2": run_world(CASES, 2, tmp_path_factory.mktemp("ep2"), init=init_tp2_ep2),
-        "etp1": run_world(SYNC_CASES, 2, tmp_path_factory.mktemp("etp1"), init=init_tp2_etp1),
-    }
+    found = {"etp1": run_world(SYNC_CASES, 2, tmp_path_factory.mktemp("etp1"), init=init_tp2_etp1)}
+    if _expert_biases_supported():
+        found["ep2"] = run_world(CASES, 2, tmp_path_factory.mktemp("ep2"), init=init_tp2_ep2)
+    return found
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_grad_norm_expert_tp(worlds, case) -> None:
+    if "ep2" not in worlds:
+        pytest.skip(
+            "no expert biases in this release (Bias is not supported for MoE): no expert param "
+            "is replicated over expert tensor parallelism"
+        )
     check(worlds["ep2"], case)
 
 
