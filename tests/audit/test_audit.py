@@ -25,9 +25,6 @@ FORMATS = ("fully_reshardable", "dp_reshardable", "dp_zero_gather_scatter", "leg
 # Two pipeline stages where only stage 1 mixes fp32 and 16-bit params (in the dense optimizer,
 # or in the expert one): read across versions only (test_loads_across_versions).
 PIPELINE = [f"mixed-pp2-{kind}{f}" for kind in ("", "expert-") for f in FORMATS]
-# Not yet: stock's dp_reshardable save of a mixed expert optimizer on stage 1 is read by the
-# fork with one bf16 param holding the fp32 param's main param (moments right); see CHANGELOG.
-PIPELINE.remove("mixed-pp2-expert-dp_reshardable")
 STOCK_019 = [
     *(f"mixed-{f}" for f in FORMATS),
     *(f"dp2-pairs-{f}" for f in FORMATS),

@@ -18,7 +18,10 @@ ChainedOptimizer, dist_checkpointing save/load to files and the legacy torch.sav
 gloo worlds of 1 and 2 ranks (and 2 ranks at data-parallel size 1, where the swapped shards have
 equal sizes; and 2 pipeline stages, where only stage 1 mixes fp32 and 16-bit params).
 Unrecorded checkpoints are written as MCore wrote them: through the grad-buffer-order index it
-built (or the storage-order one), without the record. Disclosed stand-ins:
+built (or the storage-order one), without the record. torch_dist checkpoints hold the model
+weights too, loaded in the same load as the optimizer state, as megatron/training loads them:
+there an fp32 param's main param is its weight, and each must keep its own value (the expert
+optimizer of the pipeline case, dp_reshardable, lost one). Disclosed stand-ins:
 ``CudaOnCpu`` and a no-op ``torch.cuda.synchronize`` for the checkpoint writer.
 """
 
@@ -79,20 +82,25 @@ def _assert_own_state(opts, saved, what: str) -> None:
 
 
 def _round_trip(chunks_fn, sharding_type: str, old_index: bool, recorded: bool, **config):
-    """Step, save, step on, load (model weights first); each param must get its own state back.
-    Returns the WARNING lines of the load and its all-reduce count, or None (unwritable)."""
+    """Step, save, step on, load (model weights first; torch_dist: in the optimizer's load, as
+    megatron/training loads them); each param must get its own weight and state back. Returns
+    the WARNING lines of the load and its all-reduce count, or None (unwritable)."""
     chunks, optimizer, opts = build_distopt(chunks_fn(), **config)
     distopt_step(chunks, optimizer, 0)
     saved = [clone_tensors(list(own_state(opt).values())) for opt in opts]
+    weights = clone_tensors([p for chunk in chunks for p in chunk.parameters()])
     ckpt_dir = distopt_save_if_writable(
-        CKPT, chunks, optimizer, opts, sharding_type, old_index, recorded
+        CKPT, chunks, optimizer, opts, sharding_type, old_index, recorded, with_model=True
     )
     if ckpt_dir is None:
         return None
     distopt_step(chunks, optimizer, 1)
     with CountAllReduce() as calls:
-        messages = distopt_load(chunks, optimizer, opts, sharding_type, ckpt_dir)
-    _assert_own_state(opts, saved, f"{sharding_type}, old_index={old_index}")
+        messages = distopt_load(chunks, optimizer, opts, sharding_type, ckpt_dir, with_model=True)
+    what = f"{sharding_type}, old_index={old_index}"
+    _assert_own_state(opts, saved, what)
+    for p, weight in zip([p for c in chunks for p in c.parameters()], weights, strict=True):
+        assert torch.equal(p, weight), f"{what}: the {tuple(p.shape)} {p.dtype} weight changed"
     return messages, calls.calls
 
 
