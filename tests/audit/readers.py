@@ -30,7 +30,6 @@ from writers import (  # noqa: E402
     ITERATION,
     SCENARIOS,
     WORLDS,
-    _build,
     _step,
     dist_metadata,
     own_states,
@@ -70,8 +69,7 @@ def _read(name: str, ckpt: Path, out: Path) -> None:
 
 def _outcome(name: str, ckpt: Path) -> str:
     scenario = SCENARIOS[name][1]
-    model_fn, ddp, config = scenario.build
-    chunk, optimizer = _build(model_fn(), ddp=ddp, **config)
+    chunk, optimizer = scenario.make()
     _step(chunk, optimizer, seed=1)  # state of its own, unlike the checkpoint's
     truth = torch.load(truth_file(ckpt), weights_only=False)
     try:

@@ -25,9 +25,10 @@ FORMATS = ("fully_reshardable", "dp_reshardable", "dp_zero_gather_scatter", "leg
 # Two pipeline stages where only stage 1 mixes fp32 and 16-bit params (in the dense optimizer,
 # or in the expert one): read across versions only (test_loads_across_versions).
 PIPELINE = [f"mixed-pp2-{kind}{f}" for kind in ("", "expert-") for f in FORMATS]
-# Not yet: stock's dp_reshardable save of a mixed expert optimizer on stage 1 is read by the
-# fork with one bf16 param holding the fp32 param's main param (moments right); see CHANGELOG.
-PIPELINE.remove("mixed-pp2-expert-dp_reshardable")
+# Non-colocated MIMO, a DistributedOptimizer per module, where only the module off rank 0 mixes
+# fp32 and bf16 params (torch_dist keeps rank 0's common state); in the second, every param is
+# 1.0 (values cannot tell the layouts apart): across versions only too.
+MIMO = ["mixed-mimo-fully_reshardable", "mixed-mimo-equal-dp_reshardable"]
 STOCK_019 = [
     *(f"mixed-{f}" for f in FORMATS),
     *(f"dp2-pairs-{f}" for f in FORMATS),
@@ -43,6 +44,7 @@ STOCK_019 = [
     "buckets-dp_reshardable",
     "dp2-buckets-fully_reshardable",
     *PIPELINE,
+    *MIMO,
 ]
 FORK_019 = [
     *(f"mixed-{f}" for f in FORMATS),
@@ -56,6 +58,7 @@ FORK_019 = [
     "buckets-fully_reshardable",
     "dp2-buckets-fully_reshardable",
     *PIPELINE,
+    *MIMO,
 ]
 PLAN = {
     # 0.13.1: its dist_checkpointing cannot save here (numpy 2); the legacy format can.
@@ -72,13 +75,13 @@ PLAN = {
 }
 if os.environ.get("MCORE_REPO"):  # git baselines: upstream main (pristine, forked) and dev
     PLAN[Writer("main", False)] = ["mixed-fully_reshardable", "mixed-legacy", "chained-legacy",
-                                   "buckets-fully_reshardable", *PIPELINE]  # fmt: skip
+                                   "buckets-fully_reshardable", *PIPELINE, *MIMO]  # fmt: skip
     PLAN[Writer("main", True)] = ["mixed-fully_reshardable", "mixed-dp_reshardable",
                                   "chained-legacy", "buckets-fully_reshardable",
-                                  *PIPELINE]  # fmt: skip
+                                  *PIPELINE, *MIMO]  # fmt: skip
     PLAN[Writer("dev", False)] = ["mixed-fully_reshardable", "mixed-legacy",
                                   "buckets-fully_reshardable"]  # fmt: skip
-CASES = [(w, s) for w, scenarios in PLAN.items() for s in scenarios if s not in PIPELINE]
+CASES = [(w, s) for w, scenarios in PLAN.items() for s in scenarios if s not in PIPELINE + MIMO]
 
 
 @pytest.fixture(scope="session")
@@ -359,6 +362,8 @@ def test_loads_across_versions(written, writer, reader, tmp_path):
             pytest.skip(x)
     outcomes = _read_with(r, w, tmp_path)
     assert outcomes, w.outcomes
+    missing = [n for n in MIMO if n in PLAN[writer] and n not in outcomes]
+    assert not missing, f"{writer.label} did not write {missing}: {w.outcomes}"
     for name, outcome in outcomes.items():
         assert not outcome.startswith(("permuted", "no outcome")), (name, outcome)
         if reader.fork and r.code("param_index_layout"):

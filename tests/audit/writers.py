@@ -169,7 +169,11 @@ class Big(torch.nn.Module):
 
 
 def distributed_optimizers(optimizer) -> list:
-    """The DistributedOptimizers of what get_megatron_optimizer returned (chained or not)."""
+    """The DistributedOptimizers of what get_megatron_optimizer returned (chained or not), or of
+    this rank's modules of a MimoOptimizer."""
+    if hasattr(optimizer, "module_infos"):  # MimoOptimizer
+        infos = optimizer.module_infos.values()
+        return [o for i in infos if i.is_active for o in distributed_optimizers(i.optimizer)]
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
@@ -193,14 +197,19 @@ def truth_file(out: Path) -> Path:
 def one_step(model_fn, fmt: str, ddp: dict | None = None, args: dict | None = None, **config):
     """A scenario: the model, one optimizer step, a save in `fmt`. It keeps each param's own
     state next to the checkpoint, and what readers.py needs to build the model again."""
+    return built_one_step(lambda: _build(model_fn(), ddp=ddp, **config), fmt, args)
+
+
+def built_one_step(make, fmt: str, args: dict | None = None):
+    """one_step of what `make()` builds: (a chunk, its optimizer)."""
 
     def scenario(out: Path) -> None:
-        chunk, optimizer = _build(model_fn(), ddp=ddp, **config)
+        chunk, optimizer = make()
         _step(chunk, optimizer)
         save(chunk, optimizer, out, fmt, _args(**{"bf16": True, **(args or {})}))
         torch.save(own_states(chunk, optimizer), truth_file(out))
 
-    scenario.build = (model_fn, ddp, config)  # type: ignore[attr-defined]
+    scenario.make = make  # type: ignore[attr-defined]
     scenario.fmt = fmt  # type: ignore[attr-defined]
     return scenario
 
@@ -367,6 +376,91 @@ class StageNet(torch.nn.Module):
             setattr(self, f"stage{stage}_{name}", layer.to(dtype))
 
 
+class MimoModule:
+    """This rank's module of a non-colocated MIMO model, as save() and readers.py use a chunk:
+    its DDP chunk's module, and model state keyed by module name (replica 0: each module has
+    a grid of its own, as MIMO's checkpoints key them)."""
+
+    def __init__(self, name: str, ddp_chunk) -> None:
+        self.name, self.ddp = name, ddp_chunk
+        self.module = ddp_chunk.module
+
+    def sharded_state_dict(self) -> dict:
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        return {
+            f"{self.name}.{n}": ShardedTensor.from_rank_offsets(f"{self.name}.{n}", p, replica_id=0)
+            for n, p in self.module.named_parameters()
+        }
+
+
+def mimo_distopt(equal: bool = False):
+    """`equal`: every param 1.0 and lr 0 (norm weights at their init, a warmup step): the
+    values cannot tell the param index layouts apart, only the layout record (or the rule for
+    unrecorded checkpoints) can.
+
+    Non-colocated MIMO with a DistributedOptimizer per module (as get_mimo_optimizer builds
+    them): "images" on rank 0, bf16 Linears; "language" on rank 1, an fp32 Linear among bf16
+    ones (an fp32 norm or output layer): only the module off rank 0 mixes fp32 and bf16 params.
+    Each module's DDP and optimizer take its grid's process groups, as get_mimo_optimizer passes
+    them: the fork's save-time all-reduce runs over the module's grad stats group
+    (intra_dist_opt), which only that module's ranks enter. Every rank creates every group.
+    Returns (this rank's MimoModule, the MimoOptimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=0.0 if equal else 1e-2,
+        bf16=True,
+        clip_grad=0.0,
+        use_distributed_optimizer=True,
+    )
+    infos, mine = {}, None
+    for name, rank in (("images", 0), ("language", 1)):
+        grid = HyperCommGrid(
+            [1, 1, 1, 1, 1], ["tp", "cp", "ep", "pp", "dp"], rank_offset=rank, backend="gloo"
+        )
+        dims = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp"}
+        dims |= {"mp": ["tp", "pp"], "tp_ep_pp": ["tp", "ep", "pp"]}
+        dims |= {"intra_dist_opt": ["tp", "cp", "dp", "pp"]}
+        for d in dims.values():  # every rank creates every group (new_group is collective)
+            grid.create_pg(d)
+        optimizer, pg = None, None
+        if grid.is_current_rank_in_grid():
+            groups = {k: grid.get_pg(d) for k, d in dims.items()}
+            pg = ProcessGroupCollection(**groups, dp_cp=groups["dp"], expt_dp=groups["dp"])
+            gen = torch.Generator().manual_seed(5 + rank)
+            module = torch.nn.Module()
+            middle = torch.float32 if rank else torch.bfloat16
+            for i, dtype in enumerate((torch.bfloat16, middle, torch.bfloat16)):
+                layer = torch.nn.Linear(32, 32)
+                with torch.no_grad():
+                    for p in layer.parameters():
+                        p.copy_(
+                            torch.ones(p.shape) if equal else torch.randn(p.shape, generator=gen)
+                        )
+                setattr(module, f"{name}{i}", layer.to(dtype))
+            chunk = DistributedDataParallel(
+                TransformerConfig(num_attention_heads=1, num_layers=1),
+                DistributedDataParallelConfig(use_distributed_optimizer=True),
+                module,
+                pg_collection=pg,
+            )
+            optimizer = get_megatron_optimizer(
+                config, [chunk], pg_collection=pg, use_gloo_process_groups=False
+            )
+            mine = MimoModule(name, chunk)
+        infos[name] = ModuleOptimizerInfo(
+            optimizer=optimizer, grid=grid, pg_collection=pg, is_active=optimizer is not None
+        )
+    return mine, MimoOptimizer(infos, config)
+
+
 SCENARIOS = {
     **{f"mixed-{fmt}": (1, mixed(fmt)) for fmt in FORMATS},
     "aligned-dp_reshardable": (1, mixed("dp_reshardable", fp32_first=True)),
@@ -389,6 +483,13 @@ SCENARIOS = {
         f"mixed-pp2-expert-{fmt}": ("pp2", one_step(lambda: StageNet(expert=True), fmt))
         for fmt in FORMATS
     },
+    # non-colocated MIMO, only the module off rank 0 mixes (loads across versions); its values
+    # tell the layouts apart in one, in the other they cannot
+    "mixed-mimo-fully_reshardable": (2, built_one_step(mimo_distopt, "fully_reshardable")),
+    "mixed-mimo-equal-dp_reshardable": (
+        2,
+        built_one_step(lambda: mimo_distopt(equal=True), "dp_reshardable"),
+    ),
 }
 from resumes import RESUMES  # noqa: E402 - runs saved, resumed and saved again
 

@@ -552,12 +552,20 @@ def _model_sharded_state_dict(chunks) -> dict:
 
 
 def distopt_save(
-    chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path, old_index=False, recorded=None
+    chunks,
+    optimizer,
+    opts,
+    sharding_type: str,
+    ckpt_dir: Path,
+    old_index=False,
+    recorded=None,
+    with_model=False,
 ):
     """Save the optimizer state in `sharding_type`; with old_index, as MCore wrote it before
     the param-index fix (the grad-buffer-order index). `recorded=False` (the default with
-    old_index) drops the layout record, as every version before it wrote. Collective over the
-    world."""
+    old_index) drops the layout record, as every version before it wrote. `with_model`: a
+    torch_dist save holds the model weights too, as megatron/training's does. Collective over
+    the world."""
     recorded = not old_index if recorded is None else recorded
     from megatron.core import dist_checkpointing
 
@@ -585,22 +593,28 @@ def distopt_save(
                 state = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
                 if not recorded:
                     state = unrecorded(state)
-                dist_checkpointing.save({"optimizer": state}, str(ckpt_dir))
+                state = {"optimizer": state, **({"model": model_sd} if with_model else {})}
+                dist_checkpointing.save(state, str(ckpt_dir))
     finally:
         for opt, index in zip(opts, indexes, strict=True):
             opt.model_param_group_index_map = index
     dist.barrier()
 
 
-def distopt_load(chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path) -> list[str]:
+def distopt_load(
+    chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path, with_model=False
+) -> list[str]:
     """Load what distopt_save wrote, model weights first (as checkpoint loading does); returns
-    the WARNING messages of the optimizer's logger."""
+    the WARNING messages of the optimizer's logger. `with_model`: a torch_dist checkpoint's
+    model weights are loaded in the optimizer's load, as megatron/training loads them (in
+    place: the loaded state of an fp32 param's main param and its weight share memory)."""
     from megatron.core import dist_checkpointing
 
-    weights = torch.load(ckpt_dir / f"model{dist.get_rank()}.pt")
-    with torch.no_grad():
-        for name, p in param_names_by_name(chunks).items():
-            p.copy_(weights[name])
+    if not with_model or sharding_type == "legacy":
+        weights = torch.load(ckpt_dir / f"model{dist.get_rank()}.pt")
+        with torch.no_grad():
+            for name, p in param_names_by_name(chunks).items():
+                p.copy_(weights[name])
 
     with CudaSyncOnCpu(), CaptureLogs(DISTOPT_LOGGER, logging.WARNING) as logs:
         if sharding_type == "legacy":
@@ -612,7 +626,12 @@ def distopt_load(chunks, optimizer, opts, sharding_type: str, ckpt_dir: Path) ->
             metadata = {"distrib_optim_sharding_type": sharding_type}
             model_sd = _model_sharded_state_dict(chunks)
             state = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)
-            loaded = dist_checkpointing.load({"optimizer": state}, str(ckpt_dir))
+            request = {"optimizer": state, **({"model": model_sd} if with_model else {})}
+            loaded = dist_checkpointing.load(request, str(ckpt_dir))
+            if with_model:  # megatron/training: model.load_state_dict(), then the optimizer's
+                with torch.no_grad():
+                    for key, sharded in model_sd.items():
+                        sharded.data.copy_(loaded["model"][key])
             optimizer.load_state_dict(loaded["optimizer"])
     return logs.messages()
 
@@ -646,11 +665,14 @@ def distopt_save_if_writable(
     sharding_type: str,
     old_index: bool = False,
     recorded: bool | None = None,
+    with_model: bool = False,
 ):
     """A new directory of `dirs` written by distopt_save; None where the format is unwritable."""
     ckpt_dir = dirs.new(sharding_type)
     try:
-        distopt_save(chunks, optimizer, opts, sharding_type, ckpt_dir, old_index, recorded)
+        distopt_save(
+            chunks, optimizer, opts, sharding_type, ckpt_dir, old_index, recorded, with_model
+        )
     except Exception as e:  # noqa: BLE001
         if any(reason in str(e) for reason in DISTOPT_UNWRITABLE):
             return None

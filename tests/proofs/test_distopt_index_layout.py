@@ -16,9 +16,13 @@ common state that torch_dist saves from rank 0 alone says it for every rank.
 Real objects: DistributedDataParallel, get_megatron_optimizer (torch Adam), DistributedOptimizer,
 ChainedOptimizer, dist_checkpointing save/load to files and the legacy torch.save path, in forked
 gloo worlds of 1 and 2 ranks (and 2 ranks at data-parallel size 1, where the swapped shards have
-equal sizes; and 2 pipeline stages, where only stage 1 mixes fp32 and 16-bit params).
+equal sizes; and 2 pipeline stages, where only stage 1 mixes fp32 and 16-bit params, or only
+stage 1 has expert params).
 Unrecorded checkpoints are written as MCore wrote them: through the grad-buffer-order index it
-built (or the storage-order one), without the record. Disclosed stand-ins:
+built (or the storage-order one), without the record. torch_dist checkpoints hold the model
+weights too, loaded in the same load as the optimizer state, as megatron/training loads them:
+there an fp32 param's main param is its weight, and each must keep its own value (the expert
+optimizer of the pipeline case, dp_reshardable, lost one). Disclosed stand-ins:
 ``CudaOnCpu`` and a no-op ``torch.cuda.synchronize`` for the checkpoint writer.
 """
 
@@ -79,20 +83,25 @@ def _assert_own_state(opts, saved, what: str) -> None:
 
 
 def _round_trip(chunks_fn, sharding_type: str, old_index: bool, recorded: bool, **config):
-    """Step, save, step on, load (model weights first); each param must get its own state back.
-    Returns the WARNING lines of the load and its all-reduce count, or None (unwritable)."""
+    """Step, save, step on, load (model weights first; torch_dist: in the optimizer's load, as
+    megatron/training loads them); each param must get its own weight and state back. Returns
+    the WARNING lines of the load and its all-reduce count, or None (unwritable)."""
     chunks, optimizer, opts = build_distopt(chunks_fn(), **config)
     distopt_step(chunks, optimizer, 0)
     saved = [clone_tensors(list(own_state(opt).values())) for opt in opts]
+    weights = clone_tensors([p for chunk in chunks for p in chunk.parameters()])
     ckpt_dir = distopt_save_if_writable(
-        CKPT, chunks, optimizer, opts, sharding_type, old_index, recorded
+        CKPT, chunks, optimizer, opts, sharding_type, old_index, recorded, with_model=True
     )
     if ckpt_dir is None:
         return None
     distopt_step(chunks, optimizer, 1)
     with CountAllReduce() as calls:
-        messages = distopt_load(chunks, optimizer, opts, sharding_type, ckpt_dir)
-    _assert_own_state(opts, saved, f"{sharding_type}, old_index={old_index}")
+        messages = distopt_load(chunks, optimizer, opts, sharding_type, ckpt_dir, with_model=True)
+    what = f"{sharding_type}, old_index={old_index}"
+    _assert_own_state(opts, saved, what)
+    for p, weight in zip([p for c in chunks for p in c.parameters()], weights, strict=True):
+        assert torch.equal(p, weight), f"{what}: the {tuple(p.shape)} {p.dtype} weight changed"
     return messages, calls.calls
 
 
@@ -364,6 +373,38 @@ def case_pipeline_checkpoints_load_exactly() -> None:
                 _on_every_rank(check, f"{name}, {sharding_type}, recorded={recorded}")
 
 
+def case_pipeline_stage_without_experts_saves() -> None:
+    """Expert params on stage 1 only (a MoE model whose first layers are dense). Before 0.14
+    stage 0 then has no expert optimizer, one DistributedOptimizer fewer than stage 1: its save
+    must still issue the collectives stage 1 issues (no rank waits alone), and what stage 0
+    saves for every rank still refuses readers without the record (stage 1's expert optimizer
+    mixes). Where every stage has the same optimizers (param-group keys gathered across
+    ranks, 0.14 and later), the cases above cover it."""
+    stage = int(_last_stage())
+    net = _stage_net(f"s{stage}_dense", (BF16, BF16))
+    if stage:
+        expert = _stage_net("s1_expert", (BF16, FP32, BF16), expert=True)
+        for name, layer in expert.named_children():
+            setattr(net, name, layer)
+    chunks, optimizer, opts = build_distopt([net])
+    counts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, len(opts))
+    if len(set(counts)) == 1:
+        return
+    distopt_step(chunks, optimizer, 0)
+    metadata = {"distrib_optim_sharding_type": "dp_zero_gather_scatter"}
+
+    def check() -> None:
+        with CudaSyncOnCpu():
+            state = optimizer.sharded_state_dict(chunks[0].sharded_state_dict(), metadata=metadata)
+        for opt_state in [state[i] for i in range(len(opts))] if len(opts) > 1 else [state]:
+            _assert_refused_record(
+                opt_state["param_state_sharding_type"], metadata["distrib_optim_sharding_type"]
+            )
+
+    _on_every_rank(check, f"stages with {counts} DistributedOptimizers")
+
+
 def init_two_stages() -> None:
     """``init`` for run_world: two pipeline stages, data-parallel size 1."""
     from megatron.core import parallel_state
@@ -411,6 +452,7 @@ WORLDS = {
                 case_pipeline_refusal_decided_for_the_whole_model
             ),
             "pipeline_checkpoints_load_exactly": case_pipeline_checkpoints_load_exactly,
+            "pipeline_stage_without_experts_saves": case_pipeline_stage_without_experts_saves,
         },
     ),
 }
