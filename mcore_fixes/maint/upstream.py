@@ -275,7 +275,8 @@ def pr_description(
     if len(messages) > 1:
         listed = "\n".join(f"{i}. {m.subject}" for i, m in enumerate(messages, 1))
         parts.append(f"Commits (each applies, imports and passes its tests on its own):\n{listed}")
-    parts += [f"### {m.subject}\n\n{m.body}" for m in messages]
+    # a message of trailers only (upstream's squash merges) has nothing to say past its subject
+    parts += [f"### {m.subject}\n\n{m.body}" for m in messages if m.body]
     tested = "\n".join(f"- `{t}`" for t in tests) or "- (no test file)"
     where = ", ".join(baselines) or "(no proof recorded here: run `python -m mcore_fixes prove`)"
     parts.append(

@@ -1050,3 +1050,81 @@ def check_grad_stats(model: DenseAndExperts, optimizer, expert_biases_only: bool
     if num_zeros != true_zeros:
         wrong.append(f"zeros counted {num_zeros}, true count {true_zeros:.0f}")
     assert not wrong, "; ".join(wrong)
+# HybridDeviceOptimizer (--optimizer-cpu-offload) on the CPU: it offloads the params that report
+# `is_cuda` to pinned host copies (`.cpu().pin_memory()`), steps those with its CPU optimizers
+# and copies them back. Here every tensor stands for a device tensor except the host copies.
+
+_ON_HOST = "_mcore_fixes_on_host"
+
+
+def _on_host(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, _ON_HOST, False)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    setattr(t, _ON_HOST, True)
+    return t
+
+
+def _flat(values) -> list:
+    """The values, and the items of those that are lists or tuples (one level)."""
+    return [x for v in values for x in (v if isinstance(v, (list, tuple)) else [v])]
+
+
+def _device_type(device: object) -> str | None:
+    if isinstance(device, int):
+        return "cuda"  # a CUDA ordinal
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).type
+    return None
+
+
+class HostCopiesOnCpu(TorchFunctionMode):
+    """Every tensor reports ``is_cuda``, except the host tensors: those made by ``.cpu()``,
+    ``.to('cpu')``, ``pin_memory()``, a factory with ``device='cpu'`` or ``pin_memory=True``,
+    and what is computed from them. A move to the host copies, as a device-to-host copy does;
+    ``.cuda()`` / ``.to('cuda')`` of a host tensor copies it back to "the device"; pinning is
+    otherwise a no-op. So HybridDeviceOptimizer offloads as on a GPU: its host copies go to its
+    CPU sub-optimizers, which step them, and its hooks copy them back. Enter it inside
+    ``CudaOnCpu`` and ``CudaStreamsOnCpu``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func == torch.Tensor.is_cuda.__get__:  # a fresh method-wrapper per access
+            return not _on_host(args[0])
+        if func in (torch.Tensor.cpu, torch.Tensor.pin_memory):
+            return args[0] if _on_host(args[0]) else _to_host(args[0].clone())
+        if func is torch.Tensor.cuda:
+            return args[0].clone() if _on_host(args[0]) else args[0]
+        pinned = kwargs.pop("pin_memory", False)
+        if func is torch.Tensor.to:
+            return self._to(args, kwargs)
+        device = _device_type(kwargs.get("device"))
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and not any(out is a for a in args):
+            if pinned or device == "cpu":
+                _to_host(out)
+            elif device is None and any(map(_on_host, _flat((*args, *kwargs.values())))):
+                _to_host(out)
+        return out
+
+    @staticmethod
+    def _to(args, kwargs):
+        """``Tensor.to``: a device argument (positional or keyword) moves, the rest converts."""
+        source, rest, device = args[0], [], kwargs.pop("device", None)
+        for a in args[1:]:
+            if _device_type(a) in ("cpu", "cuda"):
+                device = a
+            else:
+                rest.append(a)
+        out = torch.Tensor.to(source, *rest, **kwargs)
+        target = _device_type(device)
+        if target == "cpu" and not _on_host(source):
+            return _to_host(out.clone() if out is source else out)
+        if target == "cuda" and _on_host(source):
+            out = out.clone() if out is source else out
+            setattr(out, _ON_HOST, False)
+            return out
+        if out is not source and _on_host(source):
+            _to_host(out)
+        return out

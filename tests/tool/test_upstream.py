@@ -416,6 +416,50 @@ def test_both_branches_each_with_what_it_lacks(project, checkout, tool):
     assert main2.startswith("[Main] Let join_names() take any separator\n\n")
 
 
+def test_a_carried_fix_only_dev_has_is_its_main_twin(project, checkout, tool):
+    """The [Main] twin of a carried fix that only dev has (as dev holds #5213): `git
+    cherry-pick -x` of dev's commit on main, author kept, no [Dev] branch. Its message is
+    trailers only (a squash merge): the description repeats no empty section for it."""
+    repo, base = checkout
+    git(repo, "checkout", "-q", "-b", "upstream-dev", base)
+    write(repo, "megatron/core/extra.py", EXTRA)
+    write(repo, "tests/unit_tests/test_extra.py", TEST_EXTRA)
+    signed = "Signed-off-by: Upstream Author <author@upstream.example>"
+    dev = commit_all(repo, f"{EXTRA_SUBJECT}\n\n{signed}\n", env=UPSTREAM_AUTHOR)
+    git(repo, "checkout", "-q", "main-work")
+    patches = project / "patches"
+    (patches / "0000a-extra.patch").write_text(_carried_patch(repo, base, "extra"))
+    manifest = patches / "manifest.toml"
+    text = manifest.read_text().replace('canonical = "0.1.0"', 'canonical = "main"')
+    entry = '[[patch]]\nid = "extra"\nfile = "0000a-extra.patch"\nfix = 5\n'
+    entry += f'upstream-commit = "{dev}"\n\n'
+    manifest.write_text(text.replace("[[patch]]", entry + "[[patch]]", 1))
+    add_git_baseline(project, "main", base, "0.1.0")
+    add_git_baseline(project, "dev", dev, "0.1.0")
+    (patches / "pr").mkdir()
+    (patches / "pr" / "extra.md").write_text("# [Main] twin of #77\n\nmeasured: 2 of 2\n")
+    res = tool(project, "upstream", "--mcore-repo", repo)
+    assert res.rc == 0, res.text
+
+    (pick,) = _log(repo, f"{base}..mcore-fixes/cherry-pick-77")
+    assert pick["s"] == EXTRA_SUBJECT
+    assert pick["author"] == "Upstream Author <author@upstream.example>"
+    assert pick["b"].strip().splitlines()[-3:] == [
+        signed,
+        f"(cherry picked from commit {dev})",
+        "Signed-off-by: Jane Runner <jane@example.com>",
+    ]
+    assert "mcore-fixes/dev/cherry-pick-77: no branch: upstream commit" in res.out
+    assert git(repo, "branch", "--list", "mcore-fixes/dev/cherry-pick-77").strip() == ""
+
+    desc = git(repo, "config", "branch.mcore-fixes/cherry-pick-77.description")
+    assert desc.startswith(f"[Main] {EXTRA_SUBJECT}\n\n")
+    assert f"[Main] cherry-pick of upstream's own commit {dev[:10]}" in desc
+    assert "which dev has and main lacks: `git cherry-pick -x" in desc
+    assert f"### {EXTRA_SUBJECT}" not in desc  # no heading over an empty body
+    assert "# [Main] twin of #77\n\nmeasured: 2 of 2" in desc
+
+
 def test_dev_alone_with_onto_its_pinned_commit(project, checkout, tool):
     """`--onto` dev's pin: its baseline, its fixed-upstream patches left out, as `apply` does."""
     repo, base = checkout
