@@ -296,8 +296,10 @@ def apply_series(
 
     A patch that reverse-applies is `applied-upstream` and is not applied again; one that does
     not apply where the manifest records upstream's own fix (`fixed-upstream`) is skipped and
-    counts as present for the patches that require it (prove checks that claim); a patch whose
-    required patch did not apply is a conflict. `only` limits application to those patch ids
+    counts as present for the patches that require it (prove checks that claim); so does an
+    `absent` one (its target code is not in this baseline: the variant of a patch that requires
+    it stands without it there); a patch whose required patch did not apply is a conflict.
+    `only` limits application to those patch ids
     (and what they require); the other cells are still reported as `skipped`.
     """
     reset_to_pristine(tree)
@@ -311,6 +313,7 @@ def apply_series(
         path = manifest.patch_file(b, p)
         if path is None:
             cell.state, cell.detail = ABSENT, b.absent[p.id]
+            good.add(p.id)
             continue
         cell.file = str(path.relative_to(manifest.root))
         if wanted is not None and p.id not in wanted:

@@ -8,7 +8,10 @@ Disclosed stand-ins, none of them in the code under test:
   Inside backward (autograd's own thread, where no torch function mode is active),
   ``torch.cuda.current_device()`` names the CPU.
 - The device mesh of the data-parallel and tensor-parallel groups is built for the CPU (MCore
-  asks for ``device_type="cuda"``).
+  asks for ``device_type="cuda"``). 0.14's Megatron-FSDP looks its mesh dimensions up in torch's
+  private registry of sub-meshes (``_mesh_resources.child_to_root_mapping``), which the torch
+  the proofs run on no longer has: an empty one stands in (the dimensions it looks up are the
+  mesh's own, found by name).
 - Transformer Engine's version is reported as 2.10 (Megatron-FSDP asserts it where gradient
   accumulation fusion is on) and ColumnParallelLinear sees the wgrad extension module as
   importable: its Megatron-FSDP branch never calls it (on the CPU the weight gradient is
@@ -128,6 +131,13 @@ def _fsdp_on_cpu() -> None:
             return DeviceMesh.from_group(*args, **kwargs)
 
     mcore_fsdp_adapter.DeviceMesh = CpuDeviceMesh
+    try:
+        from torch.distributed.device_mesh import _mesh_resources
+    except ImportError:
+        pass
+    else:
+        if not hasattr(_mesh_resources, "child_to_root_mapping"):
+            _mesh_resources.child_to_root_mapping = {}
     mcore_utils._te_version = mcore_utils.PkgVersion("2.10.0")
     layers._grad_accum_fusion_available = True
     if not hasattr(layers, "fused_weight_gradient_mlp_cuda"):
@@ -218,9 +228,10 @@ def gradient_case(strategy: str, overlap_grad_reduce: bool, uses: int = 1, check
     gradient, within TOLERANCE of plain autograd's.
 
     Where `checked` leaves out the plain linear (SOUND), it is the control: a configuration in
-    which the release's Megatron-FSDP gets a layer without fused wgrad wrong too (0.15:
-    optim_grads* at two ranks; 0.17: optim without overlapped reduction at two ranks) is beyond
-    the fused-wgrad patches, said on the rank's stdout and not judged.
+    which the release's Megatron-FSDP gets a layer without fused wgrad wrong too (0.14, 0.15:
+    optim_grads* at two ranks; 0.16: optim and optim_grads* at one rank, optim with overlapped
+    reduction at two; 0.17: optim without overlapped reduction at two ranks) is beyond the
+    fused-wgrad patches, said on the rank's stdout and not judged.
     """
 
     def case() -> None:

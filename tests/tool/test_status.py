@@ -50,6 +50,27 @@ def test_status_json_shape_and_states(world, project, tool):
     assert "megatron/core/util.py" in cells[("core_v0.3.0", "join-sep")]["detail"]
 
 
+def test_a_required_patch_absent_on_a_baseline_is_no_prerequisite_there(world, project, tool):
+    # join-sep requires fix-mean; where fix-mean's target code does not exist (absent), the
+    # patch that requires it stands without it, as where upstream fixed it its own way
+    manifest = project / "patches/manifest.toml"
+    absent = 'absent = { weak-test = "constants.py does not exist in 0.1.1" }'
+    assert absent in manifest.read_text()
+    manifest.write_text(
+        manifest.read_text().replace(
+            absent,
+            'absent = { weak-test = "constants.py does not exist in 0.1.1", '
+            'fix-mean = "mean() does not exist in 0.1.1" }',
+        )
+    )
+    r = tool(
+        project, "status", "--json", "--mcore-repo", world.upstream, "--baseline", "core_v0.1.1"
+    )
+    assert r.rc == 0, r.err
+    states = {c["patch"]: c["state"] for c in json.loads(r.out)["cells"]}
+    assert states == {"fix-mean": "absent", "join-sep": "applies", "weak-test": "absent"}
+
+
 def test_status_table(world, project, tool):
     r = tool(project, "status", "--mcore-repo", world.upstream)
     assert r.rc == 0, r.err
