@@ -14,31 +14,18 @@ Real MCore: DistributedDataParallel and get_megatron_optimizer (adam, bf16,
 ``optimizer_cpu_offload``) in a forked gloo world of one rank; one step on seeded grads, the
 "load" (every param set to new values, ``reload_model_params()``), then one step with zero
 grads and lr 0: the weights must still be the loaded ones. Disclosed stand-ins: ``CudaOnCpu``
-and ``CudaStreamsOnCpu`` (CUDA placement, streams and events on the CPU) and ``OffloadOnCpu``:
-every tensor reports ``is_cuda`` and pinning is a no-op, so the HybridDeviceOptimizer offloads
-(clones) the shard masters to its CPU sub-optimizers as it does on a GPU. The GPU tier is
-bench/hybrid_reload_gpu.py.
+and ``CudaStreamsOnCpu`` (CUDA placement, streams and events on the CPU) and ``HostCopiesOnCpu``
+(_support.py): every tensor reports ``is_cuda`` but the HybridDeviceOptimizer's pinned host
+copies, so it offloads the shard masters to host copies that its CPU sub-optimizers step and
+its hooks copy back, as on a GPU (both halves of the bug: the stale shard masters and the stale
+host copies). The GPU tier is bench/hybrid_reload_gpu.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _support import CudaStreamsOnCpu, check, init_model_parallel, run_world
-from torch.overrides import TorchFunctionMode
-
-
-class OffloadOnCpu(TorchFunctionMode):
-    """``Tensor.is_cuda`` -> True, ``pin_memory`` -> a no-op (see the module docstring)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func == torch.Tensor.is_cuda.__get__:  # a fresh method-wrapper per access
-            return True
-        if func is torch.Tensor.pin_memory:
-            return args[0]
-        kwargs.pop("pin_memory", None)
-        return func(*args, **kwargs)
+from _support import CudaStreamsOnCpu, HostCopiesOnCpu, check, init_model_parallel, run_world
 
 
 def case_weights_only_load_survives_step() -> None:
@@ -62,8 +49,9 @@ def case_weights_only_load_survives_step() -> None:
         optimizer_cpu_offload=True,
         optimizer_offload_fraction=1.0,
     )
-    with CudaStreamsOnCpu(), OffloadOnCpu():
+    with CudaStreamsOnCpu(), HostCopiesOnCpu():
         optimizer = get_megatron_optimizer(config, [ddp])
+        hybrid = getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer
         params = list(ddp.module.parameters())
         for p in params:
             p.main_grad.copy_(torch.randn(p.shape, generator=gen))
@@ -78,6 +66,7 @@ def case_weights_only_load_survives_step() -> None:
         for p in params:
             p.main_grad.zero_()
         optimizer.step()
+    assert hybrid.cpu_optimizers and hybrid.gpu_optimizer is None, "not offloaded to the host"
     deviation = max(
         float((p.float() - w.float()).abs().max()) for p, w in zip(params, loaded, strict=True)
     )
