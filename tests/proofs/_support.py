@@ -1050,6 +1050,8 @@ def check_grad_stats(model: DenseAndExperts, optimizer, expert_biases_only: bool
     if num_zeros != true_zeros:
         wrong.append(f"zeros counted {num_zeros}, true count {true_zeros:.0f}")
     assert not wrong, "; ".join(wrong)
+
+
 # HybridDeviceOptimizer (--optimizer-cpu-offload) on the CPU: it offloads the params that report
 # `is_cuda` to pinned host copies (`.cpu().pin_memory()`), steps those with its CPU optimizers
 # and copies them back. Here every tensor stands for a device tensor except the host copies.
