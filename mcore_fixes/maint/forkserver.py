@@ -5,7 +5,7 @@ per tree state, of the baselines it is handed one after the other.
 A fresh interpreter spends ~4.5 s (2 CPUs) importing torch, torch._dynamo, torch._inductor,
 sympy, ... before the first line of megatron; a fork of the server, none. Each fork becomes
 what `python -c CODE ARGS` started in the tree would be: same cwd, environment, `sys.path`,
-`sys.argv`, a fresh `random` seed, exit through the interpreter's own shutdown. It imports
+`sys.argv`, a fresh `random` seed, and the exit the code chooses. It imports
 megatron from its tree only: the server never imports megatron nor any module of the tree
 (checked after the preload and before every fork), so no tree state sees another's code.
 Forks are made single-threaded (`threading.active_count() == 1`, checked; native idle pools

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from toolworld import commit_all, git, write
 
 from mcore_fixes.maint import forkserver, prove
 
@@ -199,3 +201,29 @@ def test_prove_reports_progress_when_output_is_not_a_terminal(project, tool):
     assert re.fullmatch(r"0\.1\.0: 1 passes-unpatched, 2 proven \(\d+ s\)", steps[6])
     # Short verbs stay quiet.
     assert tool(project, "status", "--baseline", "0.1.0").err == ""
+
+
+def test_bytecode_follows_each_state_even_at_one_size_and_second(tmp_path):
+    """Two tree states whose module has one size, checked out within one second (its mtime
+    set alike): each proof process still runs its own state's code, not the other's bytecode."""
+    tree = tmp_path / "tree"
+    write(tree, "megatron/m.py", "X = 1\n")
+    git(tmp_path, "init", "-q", str(tree))
+    commit_all(tree, "one")
+    git(tree, "tag", "pristine")
+    write(tree, "megatron/m.py", "X = 2\n")
+    commit_all(tree, "two")
+    head = git(tree, "rev-parse", "HEAD").strip()
+    prove.precompile(tree, sys.executable, ["pristine", head])
+    seen = []
+    for rev in ("pristine", head, "pristine", head):
+        prove._checkout(tree, rev)
+        os.utime(tree / "megatron/m.py", (1_700_000_000, 1_700_000_000))
+        code = "import megatron.m, sys; print(megatron.m.X)"
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=tree, env=prove._proof_env(tree),
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        seen.append(proc.stdout.strip())
+    assert seen == ["1", "2", "1", "2"]
+    assert list((tree / "megatron" / "__pycache__").glob("m.*.pyc"))  # it did use bytecode
