@@ -233,10 +233,7 @@ def unapply(checkout: Path) -> tuple[str, str, str]:
     uncommitted change, staged or not, stays as it is, and a run killed or interrupted is
     completed or undone by the next `apply` or `unapply`.
     """
-    gitdir = Path(git.out(checkout, "rev-parse", "--absolute-git-dir"))
-    for path in (gitdir, checkout):
-        if not os.access(path, os.W_OK):
-            raise UserError(f"{path} is not writable: cannot undo the series in {checkout}")
+    gitdir = _writable_gitdir(checkout, "undo the series in")
     with sources.project_lock(gitdir, Progress(enabled=True)):
         _refuse_git_locks(checkout, "unapply")
         state = gitdir / STATE_DIR
@@ -265,6 +262,15 @@ def unapply(checkout: Path) -> tuple[str, str, str]:
     return new, orig, recovered
 
 
+def _writable_gitdir(checkout: Path, doing: str) -> Path:
+    """The checkout's git directory; UserError unless both are writable."""
+    gitdir = Path(git.out(checkout, "rev-parse", "--absolute-git-dir"))
+    for path in (gitdir, checkout):
+        if not os.access(path, os.W_OK):
+            raise UserError(f"{path} is not writable: cannot {doing} {checkout}")
+    return gitdir
+
+
 def unapply_staged(manifest: Manifest, checkout: Path, b: Baseline) -> tuple[list[str], str]:
     """Undo `apply --no-commit`: the files the series changed back to HEAD's version in the
     index and the work tree, where both still hold exactly what it staged; every other change,
@@ -272,10 +278,7 @@ def unapply_staged(manifest: Manifest, checkout: Path, b: Baseline) -> tuple[lis
     was recovered: "" or a line). Journaled like `apply` (`_move`, HEAD does not move): a run
     killed or interrupted is completed or undone by the next `apply` or `unapply`. A series
     staged and then edited is refused, nothing changed (CheckFailed naming the files)."""
-    gitdir = Path(git.out(checkout, "rev-parse", "--absolute-git-dir"))
-    for path in (gitdir, checkout):
-        if not os.access(path, os.W_OK):
-            raise UserError(f"{path} is not writable: cannot undo the series in {checkout}")
+    gitdir = _writable_gitdir(checkout, "undo the series in")
     with sources.project_lock(gitdir, Progress(enabled=True)):
         _refuse_git_locks(checkout, "unapply")
         state = gitdir / STATE_DIR
