@@ -120,11 +120,17 @@ def _wrap(text: str, first: str = "", rest: str = "") -> list[str]:
 
 
 def _md_table(rows: list[list[str]]) -> list[str]:
+    """A Markdown table; without the spaces around cells where they would pass WIDTH."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    pad = " " if sum(widths) + 3 * len(widths) + 1 <= WIDTH else ""
     line = [
-        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows
+        f"|{pad}"
+        + f"{pad}|{pad}".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+        + f"{pad}|"
+        for r in rows
     ]
-    return [line[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *line[1:]]
+    rule = "|" + "|".join("-" * (w + 2 * len(pad)) for w in widths) + "|"
+    return [line[0], rule, *line[1:]]
 
 
 def markdown(manifest: Manifest, cells: list[Cell]) -> str:
