@@ -28,7 +28,9 @@
 # with fusion on; Megatron-FSDP's branch never calls it), a torch stand-in is put on the path
 # (fp32 accumulation of grad_output^T @ input into main_grad, as the extension does).
 # Run from the project root. Knobs: ITERS (10), RUN_TIMEOUT per run (300 s), FSDP_WORK
-# (/tmp/fsdp-wgrad), TREES ("core_v0.19.0 main").
+# (/tmp/fsdp-wgrad), TREES ("core_v0.19.0 main"), TIE (0; 1: GPT's default tied embedding and
+# output weights instead of --untie-embeddings-and-output-weights, written as
+# OUT/fsdp-wgrad-tied.md and .png).
 set -uo pipefail
 stage=$(cd "$1" && pwd)
 out=$2
@@ -37,6 +39,7 @@ out=$(cd "$out" && pwd)
 work=${FSDP_WORK:-/tmp/fsdp-wgrad}
 ITERS=${ITERS:-10}
 TREES=${TREES:-"core_v0.19.0 main"}
+TIE=${TIE:-0}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 CUBLAS_WORKSPACE_CONFIG=:4096:8
@@ -87,7 +90,8 @@ common=(--num-layers 4 --hidden-size 576 --ffn-hidden-size 2304 --num-attention-
     --train-iters "$ITERS" --lr 3e-4 --lr-decay-style constant --seed 1234 --log-interval 1
     --eval-iters 0 --eval-interval 100000 --hidden-dropout 0 --attention-dropout 0
     --position-embedding-type rope --mock-data --tokenizer-type NullTokenizer --vocab-size 8192
-    --transformer-impl transformer_engine --untie-embeddings-and-output-weights --bf16)
+    --transformer-impl transformer_engine --bf16)
+[ "$TIE" = 1 ] || common+=(--untie-embeddings-and-output-weights)
 port=29700
 launch() { # NAME TREE ARGS...: one single-rank training in the background
     local name=$1 tree=$2
@@ -131,10 +135,16 @@ if [ -d "$work/main-fork/tests/unit_tests" ]; then
             PYTHONPATH=$work/main-fork${PYTHONPATH:+:$PYTHONPATH} timeout 300 \
                 torchrun --nproc_per_node=1 -m pytest -q -p no:cacheprovider -o addopts= -rA \
                 tests/unit_tests/distributed/mfsdp_v1/test_mfsdp_fused_wgrad_accumulation.py \
+                $(ls tests/unit_tests/distributed/mfsdp_v1/test_mfsdp_tied_*.py 2>/dev/null) \
                 tests/unit_tests/test_optimizer_cpu_offloading.py -k "fused or reload or hdo" \
                 >"$out/logs/carried-tests.log" 2>&1
         echo "carried upstream tests (fix 6, #5071) on main's fork: pytest exit $?"
     ) | tee -a "$out/fsdp-wgrad-timing.txt"
 fi
 
-python3 "$(dirname "$0")/fsdp_wgrad_report.py" "$work/runs" "$out" --trees "$TREES"
+if [ "$TIE" = 1 ]; then
+    python3 "$(dirname "$0")/fsdp_wgrad_report.py" "$work/runs" "$out" --trees "$TREES" \
+        --name fsdp-wgrad-tied --note "tied embedding and output weights"
+else
+    python3 "$(dirname "$0")/fsdp_wgrad_report.py" "$work/runs" "$out" --trees "$TREES"
+fi

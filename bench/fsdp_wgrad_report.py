@@ -1,12 +1,13 @@
 """Verdicts and a plot from the runs of bench/fsdp_wgrad_gpu.sh (Megatron-FSDP fused wgrad).
 
-    python bench/fsdp_wgrad_report.py RUNS_DIR OUT --trees "core_v0.19.0 main"
+    python bench/fsdp_wgrad_report.py RUNS_DIR OUT --trees "core_v0.19.0 main" [--name N]
+        [--note "tied embedding and output weights"]
 
 RUNS_DIR holds NAME.log and NAME.rc per run, NAME = TREE-SIDE-PARALLELISM-{fused,unfused}
 (SIDE pristine or fork; PARALLELISM optim, no_shard or ddp). A run's loss curve with gradient
 accumulation fusion is compared with the same run without it (the reference): the largest loss
 gap over the run, next to the same gap under DDP, the yardstick of what fusion alone changes.
-Prints the table (markdown) and writes OUT/fsdp-wgrad.md; with matplotlib, OUT/fsdp-wgrad.png
+Prints the table (markdown) and writes OUT/N.md; with matplotlib, OUT/N.png (N: fsdp-wgrad)
 (per Megatron-LM tree and strategy, the fused runs' loss against the unfused reference, each
 title carrying its verdicts). It asserts nothing.
 """
@@ -79,7 +80,7 @@ def table(runs: Path, trees: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: Path, trees: list[str], out: Path) -> None:
+def plot(runs: Path, trees: list[str], out: Path, name: str = "fsdp-wgrad", note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,10 +120,12 @@ def plot(runs: Path, trees: list[str], out: Path) -> None:
             ax.set_ylabel("lm loss")
             ax.legend(fontsize=8)
     fig.suptitle(
-        "Gradient accumulation fusion under Megatron-FSDP: fused vs unfused loss", fontsize=11
+        "Gradient accumulation fusion under Megatron-FSDP: fused vs unfused loss"
+        + (f" ({note})" if note else ""),
+        fontsize=11,
     )
     fig.tight_layout()
-    fig.savefig(out / "fsdp-wgrad.png", dpi=110)
+    fig.savefig(out / f"{name}.png", dpi=110)
 
 
 def main() -> None:
@@ -130,14 +133,16 @@ def main() -> None:
     parser.add_argument("runs", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--trees", default="core_v0.19.0 main")
+    parser.add_argument("--name", default="fsdp-wgrad", help="OUT/NAME.md, OUT/NAME.png")
+    parser.add_argument("--note", default="", help="added to the plot's title")
     args = parser.parse_args()
     trees = args.trees.split()
     text = table(args.runs, trees)
     print(text, end="")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fsdp-wgrad.md").write_text(text)
+    (args.out / f"{args.name}.md").write_text(text)
     try:
-        plot(args.runs, trees, args.out)
+        plot(args.runs, trees, args.out, args.name, args.note)
     except ImportError:
         print("no matplotlib: no plot")
 
